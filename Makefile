@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint fmt clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $(STAMP)
+
+## Start the gateway on :8080 with two simulated vLLM pools (no GPU, no Redis).
+run: $(STAMP)
+	$(BIN)/specgate demo
+
+## Set up and run the whole test suite.
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+## ruff + mypy strict on the package.
+lint: $(STAMP)
+	$(BIN)/ruff check gateway tests
+	$(BIN)/ruff format --check gateway
+	$(BIN)/mypy gateway
+
+fmt: $(STAMP)
+	$(BIN)/ruff format gateway tests
+	$(BIN)/ruff check --fix gateway tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,241 @@
+"""The Starlette app: routes, thin handlers, and the one place where errors become OpenAI envelopes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.classify import TASK_HEADER, Endpoint
+from gateway.decide import Plan, plan_route
+from gateway.errors import (
+    GatewayError,
+    InvalidJSON,
+    MethodNotAllowed,
+    ModelNotFound,
+    NoCapacity,
+    PayloadTooLarge,
+    RouteNotFound,
+)
+from gateway.forward import ProxyJob, ProxyResponse
+from gateway.headers import request_id
+from gateway.metrics import CONTENT_TYPE, Outcome
+from gateway.openai import JSON_CONTENT_TYPE, envelope
+from gateway.record import RequestRecord
+from gateway.runtime import Runtime
+from gateway.settings import Settings
+
+logger = logging.getLogger("specgate")
+
+
+def _runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    return rt
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status, headers=headers, media_type=JSON_CONTENT_TYPE)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, counted while reading: a Content-Length can lie, and chunked bodies have none."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise InvalidJSON("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidJSON(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _outcome_for(status: int) -> Outcome:
+    if status == 503:
+        return "no_capacity"
+    if status >= 500:
+        return "gateway_error"
+    return "client_error"
+
+
+def _error_response(rt: Runtime, exc: GatewayError, rec: RequestRecord, extra: list[tuple[str, str]]) -> Response:
+    rec.status, rec.error = exc.status, exc.message
+    rec.finish(_outcome_for(exc.status), rt.metrics, rt.access_log)
+    headers = dict(extra)
+    headers.update(exc.headers)
+    return _json(exc.envelope(), exc.status, headers)
+
+
+async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Response:
+    rt = _runtime(request)
+    rec = RequestRecord(request_id(request.headers.get("x-request-id")), path)
+    extra = [("x-request-id", rec.request_id)]
+    try:
+        rt.authenticate(request.headers.get("authorization"))
+        raw = await _read_body(request, rt.settings.max_body_bytes)
+        body = _parse_object(raw)
+        live = rt.live
+        if endpoint is None:  # embeddings: one pool, named by the YAML
+            model = body.get("model")
+            pool_name = live.rules.embeddings_pool
+            if pool_name is None:
+                raise RouteNotFound("this gateway has no pool for embeddings")
+            if not isinstance(model, str) or model not in live.pools[pool_name].models:
+                raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            rec.traffic_class = "embeddings"
+            plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
+            stream = False
+            max_attempts = 1
+        else:
+            c = live.classifier.classify(endpoint, body, request.headers.get(TASK_HEADER))
+            f = c.features
+            rec.traffic_class, rec.task_type, rec.stream = c.traffic_class.name, f.task_type, f.stream
+            extra += [("x-specgate-class", c.traffic_class.name), ("x-specgate-task-type", f.task_type)]
+            if f.model not in live.model_set:
+                raise ModelNotFound(f"The model `{f.model}` does not exist.", param="model")
+            plan = plan_route(c.traffic_class.route, f.model, live.views())
+            stream = f.stream
+            max_attempts = live.rules.defaults.max_attempts
+        rec.route_reason = plan.reason
+        extra.append(("x-specgate-route", plan.reason))
+        if plan.empty:
+            skipped = ", ".join(f"{p}: {why}" for p, why in plan.skipped) or "no candidate pool"
+            raise NoCapacity(f"no pool can take this request now ({skipped})", retry_after_s=5)
+    except GatewayError as exc:
+        return _error_response(rt, exc, rec, extra)
+    job = ProxyJob(
+        path=path,
+        body=raw,
+        client_headers=request.headers.items(),
+        stream=stream,
+        plan=plan,
+        max_attempts=max_attempts,
+        record=rec,
+        extra_headers=extra,
+    )
+    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, "chat", "/v1/chat/completions")
+
+
+async def completions(request: Request) -> Response:
+    return await _proxy(request, "completions", "/v1/completions")
+
+
+async def embeddings(request: Request) -> Response:
+    return await _proxy(request, None, "/v1/embeddings")
+
+
+async def models(request: Request) -> Response:
+    rt = _runtime(request)
+    rt.authenticate(request.headers.get("authorization"))
+    data = [
+        {"id": m, "object": "model", "created": rt.started_at, "owned_by": "specgate", "root": m, "parent": None}
+        for m in rt.live.models
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    return Response(b"", 200)
+
+
+async def ready(request: Request) -> Response:
+    ok, why = _runtime(request).ready
+    return _json({"ready": ok, "reason": why}, 200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_runtime(request).metrics.render(), 200, media_type=CONTENT_TYPE)
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return _json(exc.envelope(), exc.status, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err: GatewayError
+    if exc.status_code == 404:
+        err = RouteNotFound(f"no route for {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
+        err.headers.update(exc.headers or {})
+    else:
+        err = GatewayError(str(exc.detail))
+    return _json(err.envelope(), exc.status_code, err.headers)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(b"", 499)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    body = envelope("internal error in the gateway", "internal_error", code="internal_error")
+    return _json(body, 500)
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
+    """Build the app. Loads and validates the routing YAML now, so a broken file fails at start-up."""
+    rt = runtime if runtime is not None else Runtime.from_settings(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            GatewayError: _gateway_error,
+            HTTPException: _http_error,
+            ClientDisconnect: _client_gone,
+            Exception: _internal_error,
+        },
+    )
+    app.state.runtime = rt
+    return app
+
+
+def create_app_from_env() -> Starlette:
+    """uvicorn factory for multi-worker mode: settings come from SPECGATE_* variables."""
+    return create_app(Settings.from_env())

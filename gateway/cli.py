@@ -1,0 +1,163 @@
+"""The ``specgate`` command: serve | validate | demo (and more as the product grows).
+
+Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from gateway import __version__
+from gateway.settings import Settings, SettingsError
+
+app = typer.Typer(
+    name="specgate",
+    help="Traffic-class routing gateway for vLLM: speculative vs standard pools.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"specgate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """specgate: an OpenAI-compatible gateway that routes each request to a speculative or standard vLLM pool."""
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@app.command()
+def serve(
+    rules: Annotated[Path, typer.Option("--rules", envvar="SPECGATE_RULES", help="Routing YAML file.")],
+    host: Annotated[str, typer.Option(envvar="SPECGATE_HOST", help="Address to listen on.")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Client port.")] = 8080,
+    workers: Annotated[int, typer.Option(envvar="SPECGATE_WORKERS", help="Worker processes.")] = 1,
+    max_body_bytes: Annotated[
+        int, typer.Option(envvar="SPECGATE_MAX_BODY_BYTES", help="Largest accepted request body.")
+    ] = 8 * 1024 * 1024,
+    api_keys: Annotated[
+        str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
+    ] = "",
+    api_keys_file: Annotated[
+        Path | None,
+        typer.Option(envvar="SPECGATE_API_KEYS_FILE", help="File with one client API key per line."),
+    ] = None,
+    health_interval_s: Annotated[
+        float, typer.Option("--health-interval", envvar="SPECGATE_HEALTH_INTERVAL_S", help="Seconds between checks.")
+    ] = 5.0,
+    health_timeout_s: Annotated[
+        float, typer.Option("--health-timeout", envvar="SPECGATE_HEALTH_TIMEOUT_S", help="Health check timeout.")
+    ] = 2.0,
+    log_level: Annotated[
+        str, typer.Option(envvar="SPECGATE_LOG_LEVEL", help="debug | info | warning | error.")
+    ] = "info",
+) -> None:
+    """Start the gateway."""
+    try:
+        settings = Settings(
+            rules=rules,
+            host=host,
+            port=port,
+            workers=workers,
+            max_body_bytes=max_body_bytes,
+            api_keys=api_keys,
+            api_keys_file=api_keys_file,
+            health_interval_s=health_interval_s,
+            health_timeout_s=health_timeout_s,
+            log_level=log_level,  # type: ignore[arg-type]
+        )
+    except SettingsError as exc:
+        raise _fail(str(exc)) from exc
+    run_server(settings)
+
+
+def run_server(settings: Settings) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+    from gateway.rules.loader import RulesError
+
+    configure_logging(settings.log_level)
+    try:
+        application = create_app(settings)  # validates the YAML and the key file before listening
+    except RulesError as exc:
+        raise _fail(f"invalid routing rules:\n{exc}") from exc
+    except (SettingsError, OSError) as exc:
+        raise _fail(str(exc)) from exc
+    common = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": None,
+        "access_log": False,
+        "loop": "uvloop",
+        "http": "httptools",
+        "timeout_graceful_shutdown": 30,
+    }
+    if settings.workers == 1:
+        uvicorn.run(application, **common)  # type: ignore[arg-type]
+    else:
+        os.environ.update(settings.to_env())
+        uvicorn.run(
+            "gateway.app:create_app_from_env",
+            factory=True,
+            workers=settings.workers,
+            **common,  # type: ignore[arg-type]
+        )
+
+
+@app.command()
+def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")]) -> None:
+    """Check a routing YAML; print every problem (exit 1) or a one-line summary (exit 0)."""
+    from gateway.rules.loader import RulesError, load_rules_file, summary
+
+    try:
+        rules = load_rules_file(file)
+    except RulesError as exc:
+        for issue in exc.issues:
+            err.print(f"{file}: {issue}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]{len(exc.issues)} problem(s)[/] in {file}", highlight=False)
+        raise typer.Exit(1) from exc
+    except OSError as exc:
+        raise _fail(f"cannot read {file}: {exc}") from exc
+    out.print(f"{file}: {summary(rules)}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
+    rules: Annotated[Path, typer.Option(help="Routing YAML whose pools get simulated endpoints.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+) -> None:
+    """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
+    from gateway.demo import run_demo
+
+    try:
+        run_demo(rules, port)
+    except (OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+def main() -> None:
+    app()

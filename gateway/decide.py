@@ -1,0 +1,76 @@
+"""The routing decision: traffic class + live pool view → ordered attempt plan. Pure, no I/O.
+
+The plan is the preferred pool (or the ``saturated`` pool while the preferred one is saturated), then the
+class's fallbacks in order; pools that do not serve the requested model, or have no routable endpoint, are left
+out, and the reason for each choice is kept so that a response header and ``specgate explain`` can show it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.rules.schema import Route
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """What the decision needs to know about one pool right now."""
+
+    name: str
+    kind: str
+    models: frozenset[str]
+    routable_endpoints: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    pools: tuple[str, ...]
+    reason: str
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.pools
+
+
+def is_saturated(route: Route, pool: PoolView) -> bool:
+    limit = route.saturation.max_inflight_per_endpoint
+    if limit is None or pool.routable_endpoints == 0:
+        return False
+    return pool.in_flight >= limit * pool.routable_endpoints
+
+
+def plan_route(route: Route, model: str, pools: Mapping[str, PoolView]) -> Plan:
+    """Order the candidate pools for one request of a class, by the class's route and the pools' state."""
+    preferred = pools.get(route.preferred)
+    reason = "preferred"
+    order: list[str] = [route.preferred]
+    if (
+        route.saturated is not None
+        and preferred is not None
+        and preferred.routable_endpoints > 0
+        and is_saturated(route, preferred)
+    ):
+        order = [route.saturated, route.preferred]
+        reason = "saturated"
+    order.extend(route.fallback)
+
+    chosen: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    for name in order:
+        if name in chosen:
+            continue
+        view = pools.get(name)
+        if view is None:
+            skipped.append((name, "unknown pool"))
+        elif model not in view.models:
+            skipped.append((name, "model not served"))
+        elif view.routable_endpoints == 0:
+            skipped.append((name, "no routable endpoint"))
+        else:
+            chosen.append(name)
+    if chosen and chosen[0] != order[0] and reason == "preferred":
+        reason = f"{order[0]} unavailable"
+    return Plan(tuple(chosen), reason, tuple(skipped))

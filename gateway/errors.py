@@ -1,0 +1,128 @@
+"""The one exception tree of the gateway. Every error renders as the OpenAI envelope.
+
+::
+
+    GatewayError                      500 internal_error
+    ├── BadRequest                    400 invalid_request_error
+    │   ├── InvalidJSON               400 (code invalid_json)
+    │   └── InvalidParameter          400 (param names the field)
+    ├── Unauthorized                  401 authentication_error
+    ├── NotFound                      404 not_found_error
+    │   ├── RouteNotFound             404 (code unknown_route)
+    │   └── ModelNotFound             404 (param "model", code model_not_found)
+    ├── MethodNotAllowed              405
+    ├── PayloadTooLarge               413 (code request_too_large)
+    ├── NoCapacity                    503 service_unavailable (Retry-After)
+    └── UpstreamError                 502 upstream_error (an attempt failed before the commit point)
+        ├── UpstreamConnectError      502 (the connection broke; retryable)
+        │   └── UpstreamUnreachable   502 (connect refused / connect timeout; the endpoint leaves rotation)
+        └── UpstreamTimeout           504 (no first byte in time; retryable)
+
+Errors from the upstream that carry their own status (vLLM's 400 for a prompt too long, say) are not raised:
+they are relayed with their status, and only their envelope is normalised (``openai.normalise_error_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class InvalidJSON(BadRequest):
+    default_code = "invalid_json"
+
+
+class InvalidParameter(BadRequest):
+    default_code = "invalid_value"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+
+
+class RouteNotFound(NotFound):
+    default_code = "unknown_route"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class NoCapacity(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "no_capacity"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("retry-after", str(retry_after_s))
+
+
+class UpstreamError(GatewayError):
+    """The upstream failed before the commit point and no other pool could take the request."""
+
+    status = 502
+    type = "upstream_error"
+    default_code = "upstream_error"
+    retryable: ClassVar[bool] = False
+
+
+class UpstreamConnectError(UpstreamError):
+    default_code = "upstream_connect_error"
+    retryable = True
+
+
+class UpstreamUnreachable(UpstreamConnectError):
+    default_code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    default_code = "upstream_timeout"
+    retryable = True

@@ -1,0 +1,307 @@
+"""Forwarding: the attempt loop, the commit point, and the relay of the upstream response.
+
+``ProxyResponse`` is the ASGI app a handler returns once the request is classified and planned. It runs the
+attempts and the relay while watching for the client's disconnect, so that a client that goes away cancels
+the upstream request at once, whether the gateway was waiting for headers, the first token, or relaying.
+
+The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
+for a retryable reason (connect error, first-byte timeout, 429/502/503/504, an error event or a broken
+connection before the first event) moves on to the next candidate, within ``max_attempts``. After it nothing
+is ever re-sent: a stream that breaks ends with an explicit error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.decide import Plan
+from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.metrics import GatewayMetrics, Outcome
+from gateway.openai import (
+    JSON_CONTENT_TYPE,
+    SSE_CONTENT_TYPE,
+    SSESplitter,
+    error_bytes,
+    is_done_event,
+    is_error_event,
+    normalise_error,
+    sse_error,
+)
+from gateway.pools import EndpointState, PoolState
+from gateway.record import RequestRecord
+from gateway.upstream import RETRYABLE_STATUS, PoolClient, UpstreamResponse
+
+logger = logging.getLogger("specgate.forward")
+
+
+@dataclass(slots=True)
+class ProxyJob:
+    path: str
+    body: bytes
+    client_headers: list[tuple[str, str]]
+    stream: bool
+    plan: Plan
+    max_attempts: int
+    record: RequestRecord
+    extra_headers: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class _Opened:
+    """A successful attempt: headers received, and for a stream its first event."""
+
+    pool: PoolState
+    endpoint: EndpointState
+    response: UpstreamResponse
+    first_events: list[bytes] | None
+    splitter: SSESplitter | None
+    buffered_body: bytes | None
+
+
+def _candidates(
+    plan: Plan, pools: Mapping[str, PoolState], rng: random.Random
+) -> Iterator[tuple[PoolState, EndpointState]]:
+    """Pools in plan order, one endpoint each, then round again with endpoints not yet tried."""
+    tried: set[str] = set()
+    while True:
+        progressed = False
+        for name in plan.pools:
+            pool = pools.get(name)
+            if pool is None:
+                continue
+            ep = pool.pick(rng, exclude=tried)
+            if ep is None:
+                continue
+            tried.add(ep.id)
+            progressed = True
+            yield pool, ep
+        if not progressed:
+            return
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ProxyResponse(Response):
+    """An ASGI response that runs the attempts and the relay itself (no body of its own)."""
+
+    def __init__(
+        self,
+        job: ProxyJob,
+        pools: Mapping[str, PoolState],
+        clients: Mapping[str, PoolClient],
+        metrics: GatewayMetrics,
+        access_log: logging.Logger,
+        rng: random.Random,
+    ) -> None:
+        self.job = job
+        self.pools = pools
+        self.clients = clients
+        self.metrics = metrics
+        self.access_log = access_log
+        self.rng = rng
+        self.outcome: Outcome = "ok"
+        self.committed = False
+        self._opened: _Opened | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self.outcome = "client_disconnect"
+                work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            self._cleanup()
+            self.job.record.finish(self.outcome, self.metrics, self.access_log)
+
+    # --- the attempt loop -------------------------------------------------------------------------------
+
+    async def _run(self, send: Send) -> None:
+        rec = self.job.record
+        try:
+            opened = await self._open()
+        except GatewayError as exc:
+            rec.error = exc.message
+            self.outcome = "no_capacity" if isinstance(exc, NoCapacity) else "upstream_error"
+            await self._send_error(send, exc)
+            return
+        self._opened = opened
+        rec.pool, rec.endpoint = opened.pool.name, opened.endpoint.id
+        if opened.first_events is not None:
+            await self._relay_stream(send, opened)
+        else:
+            await self._send_buffered(send, opened)
+
+    async def _open(self) -> _Opened:
+        job, rec = self.job, self.job.record
+        errors: list[str] = []
+        last_exc: GatewayError | None = None
+        for n, (pool, ep) in enumerate(_candidates(job.plan, self.pools, self.rng)):
+            if n >= job.max_attempts:
+                break
+            client = self.clients[pool.name]
+            headers = upstream_request_headers(job.client_headers, request_id=rec.request_id, api_key=client.api_key)
+            started = time.perf_counter()
+            if rec.upstream_start is None:
+                rec.upstream_start = started
+            ep.in_flight += 1
+            self.metrics.in_flight.labels(pool.name).inc()
+            opened: _Opened | None = None
+            try:
+                opened = await self._attempt(pool, ep, client, headers)
+            except UpstreamError as exc:
+                rec.attempt(pool.name, ep.id, started, None, exc.message)
+                errors.append(f"{pool.name}/{ep.id}: {exc.message}")
+                last_exc = exc
+                if isinstance(exc, UpstreamUnreachable):
+                    ep.mark_failure(exc.message)
+                continue
+            finally:
+                if opened is None:
+                    ep.in_flight -= 1
+                    self.metrics.in_flight.labels(pool.name).dec()
+            rec.attempt(pool.name, ep.id, started, opened.response.status, None)
+            ep.mark_success()
+            return opened
+        if not errors:
+            raise NoCapacity("no endpoint of the planned pools can take the request", retry_after_s=2)
+        code = "upstream_timeout" if isinstance(last_exc, UpstreamTimeout) else "upstream_unavailable"
+        raise NoCapacity(f"all {len(errors)} attempt(s) failed: " + "; ".join(errors), retry_after_s=2, code=code)
+
+    async def _attempt(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
+        job, rec = self.job, self.job.record
+        resp = await client.post(ep, job.path, job.body, headers)
+        try:
+            if resp.status in RETRYABLE_STATUS:
+                body = await resp.read()
+                raise UpstreamError(f"HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
+            if resp.status != 200 or not job.stream or not resp.is_event_stream:
+                body = await resp.read()
+                rec.upstream_first = rec.upstream_done = time.perf_counter()
+                resp.release()
+                return _Opened(pool, ep, resp, None, None, body)
+            splitter = SSESplitter()
+            async for chunk in resp.chunks():
+                events = splitter.feed(chunk)
+                if not events:
+                    continue
+                if is_error_event(events[0]):
+                    raise UpstreamError(f"error event before the first token: {events[0][:200]!r}")
+                rec.upstream_first = time.perf_counter()
+                # Events that arrived in the same read are relayed in order, one by one.
+                return _Opened(pool, ep, resp, events, splitter, None)
+            raise UpstreamError("upstream closed the stream before the first event")
+        except BaseException:
+            resp.abort()
+            raise
+
+    # --- sending --------------------------------------------------------------------------------------
+
+    def _response_headers(
+        self, content_type: str, upstream: list[tuple[str, str]] | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        pairs = list(upstream or [])
+        pairs = [(k, v) for k, v in pairs if k != "content-type"]
+        pairs.append(("content-type", content_type))
+        pairs.extend(self.job.extra_headers)
+        opened = self._opened
+        if opened is not None:
+            pairs.append(("x-specgate-pool", opened.pool.name))
+            pairs.append(("x-specgate-endpoint", opened.endpoint.id))
+        pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
+        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+
+    async def _send_error(self, send: Send, exc: GatewayError) -> None:
+        body = error_bytes(exc)
+        headers = self._response_headers(JSON_CONTENT_TYPE) + [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.job.record.status = exc.status
+        await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+        self.committed = True
+        await send({"type": "http.response.body", "body": body})
+
+    async def _send_buffered(self, send: Send, opened: _Opened) -> None:
+        resp, rec = opened.response, self.job.record
+        body = opened.buffered_body or b""
+        ctype = resp.raw.headers.get("content-type", JSON_CONTENT_TYPE)
+        if resp.status >= 400:
+            body = normalise_error(resp.status, body)
+            ctype = JSON_CONTENT_TYPE
+            self.outcome = "client_error" if resp.status < 500 else "upstream_error"
+        rec.status = resp.status
+        headers = self._response_headers(ctype, client_response_headers(resp.headers))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        self.committed = True
+        await send({"type": "http.response.body", "body": body})
+
+    async def _relay_stream(self, send: Send, opened: _Opened) -> None:
+        resp, rec = opened.response, self.job.record
+        assert opened.first_events is not None
+        assert opened.splitter is not None
+        rec.status = resp.status
+        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.headers))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        self.committed = True
+        done = await self._send_events(send, opened.first_events)
+        rec.first_sent = time.perf_counter()
+        try:
+            if not done:
+                async for chunk in resp.chunks():
+                    if await self._send_events(send, opened.splitter.feed(chunk)):
+                        done = True
+                        break
+        except UpstreamError as exc:
+            rec.error = exc.message
+        if done:
+            resp.release()
+        else:
+            rec.error = rec.error or "upstream closed the stream without [DONE]"
+            self.outcome = "stream_error"
+            await send({"type": "http.response.body", "body": sse_error(rec.error), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_events(self, send: Send, events: list[bytes]) -> bool:
+        """Relay events one by one; True once [DONE] went out."""
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            if is_done_event(event):
+                return True
+            if is_error_event(event):
+                self.outcome = "stream_error"
+                self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
+        return False
+
+    def _cleanup(self) -> None:
+        opened = self._opened
+        if opened is None:
+            return
+        self._opened = None
+        # After [DONE] or a full body the connection was released; in every other case closing it aborts
+        # the generation upstream (vLLM aborts a request whose client went away).
+        opened.response.abort()
+        opened.endpoint.in_flight -= 1
+        self.metrics.in_flight.labels(opened.pool.name).dec()

@@ -1,0 +1,72 @@
+"""Header hygiene between client and upstream (RFC 9110 §7.6.1).
+
+Hop-by-hop headers, and every header named in ``Connection``, stop at the gateway in both directions.
+The client's ``Authorization`` never reaches a pool: it is replaced by the pool's own key, or dropped.
+``X-Request-Id`` is kept (or generated) and forwarded, so vLLM logs the same id as the gateway.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Set again by the HTTP client or server on each leg, or meaningless across it.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding", "expect"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "x-request-id"}
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
+    named: set[str] = set()
+    for k, v in headers:
+        if k.lower() == "connection":
+            named.update(t.strip().lower() for t in v.split(",") if t.strip())
+    return named
+
+
+def request_id(incoming: str | None) -> str:
+    """The client's X-Request-Id when it is sane, else a new one."""
+    if incoming and _REQUEST_ID_RE.match(incoming):
+        return incoming
+    return uuid.uuid4().hex
+
+
+def upstream_request_headers(
+    client_headers: Iterable[tuple[str, str]], *, request_id: str, api_key: str | None
+) -> dict[str, str]:
+    """Headers to send to a pool: client headers minus hop-by-hop and credentials, plus id and pool key."""
+    items = list(client_headers)
+    drop = _REQUEST_DROP | _connection_named(items)
+    out: dict[str, str] = {}
+    for k, v in items:
+        lk = k.lower()
+        if lk in drop or lk == "x-request-id":
+            continue
+        out[lk] = v
+    out["x-request-id"] = request_id
+    out["content-type"] = "application/json"
+    if api_key:
+        out["authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Headers from a pool's response worth passing to the client (lower-case names)."""
+    items = list(upstream_headers)
+    drop = _RESPONSE_DROP | _connection_named(items)
+    return [(k.lower(), v) for k, v in items if k.lower() not in drop and not k.lower().startswith("x-specgate-")]

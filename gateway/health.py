@@ -1,0 +1,82 @@
+"""Active health checks: every endpoint's ``GET /health``, concurrently, on an interval.
+
+An endpoint that fails a check leaves the rotation; one that passes comes back (also after a passive
+failure marked it down). The checks use their own small connection pool, so that a pool whose connections
+are all busy with long generations is not declared dead for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+from gateway.metrics import GatewayMetrics
+from gateway.pools import EndpointState, PoolState
+
+logger = logging.getLogger("specgate.health")
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        pools: Callable[[], Iterable[PoolState]],
+        metrics: GatewayMetrics,
+        *,
+        interval_s: float,
+        timeout_s: float,
+    ) -> None:
+        self._pools = pools
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.rounds = 0
+
+    async def _probe(self, session: aiohttp.ClientSession, ep: EndpointState) -> None:
+        error: str | None = None
+        try:
+            async with session.get(ep.url + "/health", allow_redirects=False) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    error = f"/health returned {resp.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            error = f"/health failed: {type(exc).__name__}: {exc}".rstrip(": ")
+        healthy = error is None
+        if healthy != ep.healthy:
+            logger.warning(
+                "endpoint %s/%s is now %s%s",
+                ep.pool,
+                ep.id,
+                "healthy" if healthy else "unhealthy",
+                f" ({error})" if error else "",
+            )
+        ep.set_health(healthy, error)
+        self._metrics.endpoint_up.labels(ep.pool, ep.id).set(1 if healthy else 0)
+        self._metrics.health_checks.labels(ep.pool, "ok" if healthy else "fail").inc()
+
+    async def check_all(self) -> None:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=32, force_close=True)
+            )
+        session = self._session
+        eps = [ep for pool in self._pools() for ep in pool.endpoints]
+        await asyncio.gather(*(self._probe(session, ep) for ep in eps))
+        self.rounds += 1
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not stop the checks for good
+                logger.exception("health check round failed")
+            await asyncio.sleep(self._interval_s)
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()

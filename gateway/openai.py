@@ -1,0 +1,116 @@
+"""OpenAI wire format: the error envelope, SSE framing, and normalising vLLM's error bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+
+SSE_DONE = b"data: [DONE]\n\n"
+JSON_CONTENT_TYPE = "application/json"
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+# vLLM puts the HTTP status's reason phrase or its exception class in `type`; the OpenAI SDK only reads
+# the status, but clients that switch on `type` expect OpenAI's names.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def envelope(message: str, type_: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_bytes(exc: GatewayError) -> bytes:
+    return orjson.dumps(exc.envelope())
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def sse_error(message: str, *, type_: str = "upstream_error", code: str = "stream_interrupted") -> bytes:
+    """The explicit end of a broken stream: an error event, then [DONE] (vLLM's own convention)."""
+    return sse_event(envelope(message, type_, code=code)) + SSE_DONE
+
+
+def normalise_error(status: int, body: bytes) -> bytes:
+    """Make an upstream error body an OpenAI envelope with a string (or null) ``code``.
+
+    vLLM sends ``code`` as the integer HTTP status, and its ``--api-key`` check answers
+    ``{"error": "Unauthorized"}``; anything that is not JSON becomes the envelope's message.
+    """
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        data = None
+    default_type = _TYPE_BY_STATUS.get(status, "upstream_error" if status >= 500 else "invalid_request_error")
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        code = err.get("code")
+        out = {
+            "message": str(err.get("message") or f"upstream returned {status}"),
+            "type": str(err.get("type") or default_type) if not isinstance(code, int) else default_type,
+            "param": err.get("param") if isinstance(err.get("param"), str) else None,
+            "code": None if code is None else str(code),
+        }
+        if isinstance(data, dict) and "message" not in err and isinstance(data.get("message"), str):
+            out["message"] = data["message"]
+        return orjson.dumps({"error": out})
+    if isinstance(err, str):
+        message = err
+    elif isinstance(data, dict) and isinstance(data.get("message"), str):
+        message = data["message"]  # vLLM's older flat ErrorResponse
+    else:
+        text = body.decode("utf-8", "replace").strip()
+        message = text[:500] if text else f"upstream returned {status}"
+    return orjson.dumps(envelope(message, default_type, code=str(status)))
+
+
+class SSESplitter:
+    """Splits an upstream byte stream into whole SSE events (each with its blank-line terminator).
+
+    Events are passed on exactly as the upstream framed them: never merged, never re-chunked.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf + chunk if self._buf else chunk
+        events: list[bytes] = []
+        start = 0
+        while True:
+            i = buf.find(b"\n\n", start)
+            j = buf.find(b"\r\n\r\n", start)
+            if i < 0 and j < 0:
+                break
+            end = j + 4 if j >= 0 and (i < 0 or j < i) else i + 2
+            events.append(buf[start:end])
+            start = end
+        self._buf = buf[start:]
+        return events
+
+    @property
+    def pending(self) -> bytes:
+        return self._buf
+
+
+def is_done_event(event: bytes) -> bool:
+    return event.startswith(b"data: [DONE]") or event.startswith(b"data:[DONE]")
+
+
+def is_error_event(event: bytes) -> bool:
+    head = event[:24].replace(b" ", b"")
+    return head.startswith(b'data:{"error"')

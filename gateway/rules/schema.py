@@ -1,0 +1,273 @@
+"""The routing YAML, as strict pydantic models.
+
+Parsing is strict (``extra="forbid"`` everywhere, no coercion from strings to numbers); the semantic checks
+that need the whole document (pool references, a catch-all class, unique names) live in
+``gateway.rules.loader``. Field descriptions end up in ``routing_rules/schema.json`` for editors.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+def _compilable(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    return pattern
+
+
+# Validated one by one, so that an error names the item (``task_rules[3].patterns[1]``) and its line.
+Pattern = Annotated[str, AfterValidator(_compilable)]
+
+SpecMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix", "dflash"]
+PoolKind = Literal["speculative", "standard"]
+TextScope = Literal["system", "last_user"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+
+class Range(_Strict):
+    """A numeric condition: every bound given must hold. A missing ``max_tokens`` counts as +infinity."""
+
+    lt: float | None = None
+    lte: float | None = None
+    gt: float | None = None
+    gte: float | None = None
+
+    @field_validator("lt", "lte", "gt", "gte", mode="before")
+    @classmethod
+    def _int_is_number(cls, v: object) -> object:
+        # strict mode refuses int for float; YAML authors write `lte: 512`.
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Range:
+        if self.lt is None and self.lte is None and self.gt is None and self.gte is None:
+            raise ValueError("a range needs at least one of lt, lte, gt, gte")
+        lower = max(
+            (b for b in (self.gt, self.gte) if b is not None),
+            default=-math.inf,
+        )
+        upper = min(
+            (b for b in (self.lt, self.lte) if b is not None),
+            default=math.inf,
+        )
+        strict = (self.gt is not None and self.gt == lower) or (self.lt is not None and self.lt == upper)
+        if lower > upper or (strict and lower == upper):
+            raise ValueError(f"thresholds out of order: the range is empty (lower {lower}, upper {upper})")
+        return self
+
+    def contains(self, x: float) -> bool:
+        if self.lt is not None and not x < self.lt:
+            return False
+        if self.lte is not None and not x <= self.lte:
+            return False
+        if self.gt is not None and not x > self.gt:
+            return False
+        return not (self.gte is not None and not x >= self.gte)
+
+
+class OneOf(_Strict):
+    """A set condition: the feature's value must be one of ``in``."""
+
+    in_: list[str] = Field(alias="in", min_length=1)
+
+
+class Conditions(_Strict):
+    """Conditions of a traffic class; all given must match. No conditions at all makes a catch-all class."""
+
+    temperature: Range | None = Field(None, description="Sampling temperature (missing = defaults.temperature).")
+    top_p: Range | None = Field(None, description="Nucleus sampling top_p (missing = defaults.top_p).")
+    max_tokens: Range | None = Field(
+        None, description="max_tokens or max_completion_tokens; missing = unbounded (+inf)."
+    )
+    n: Range | None = Field(None, description="Number of choices requested (missing = 1).")
+    prompt_tokens: Range | None = Field(None, description="Approximate prompt size in tokens.")
+    stream: bool | None = Field(None, description="Whether the client asked for a stream.")
+    tools: bool | None = Field(None, description="Whether tools or tool_choice are present.")
+    response_format: OneOf | None = Field(
+        None, description="response_format.type: text (also when missing), json_object, json_schema, ..."
+    )
+    model: OneOf | None = Field(None, description="The requested model name.")
+    task_type: OneOf | None = Field(None, description="Task type from X-Task-Type or the task rules.")
+    endpoint: OneOf | None = Field(None, description="chat or completions.")
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f) is None for f in type(self).model_fields)
+
+
+class TaskRule(_Strict):
+    """Assigns a task type. Rules are tried in order; every given part must match; the first match wins."""
+
+    task: Name
+    response_format: OneOf | None = Field(None, description="Match on response_format.type.")
+    tools: bool | None = Field(None, description="Match when tools/tool_choice are (not) present.")
+    patterns: list[Pattern] = Field(
+        default_factory=list,
+        description="Regular expressions (case-insensitive); any one found in the scoped text matches.",
+    )
+    scope: list[TextScope] = Field(
+        default_factory=lambda: list[TextScope](("system", "last_user")),
+        min_length=1,
+        description="Which texts the patterns look at: the system prompt and/or the last user message.",
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> TaskRule:
+        if self.response_format is None and self.tools is None and not self.patterns:
+            raise ValueError("a task rule needs at least one of response_format, tools, patterns")
+        return self
+
+
+class Saturation(_Strict):
+    """When the preferred pool counts as saturated, so the class goes to ``route.saturated``."""
+
+    max_inflight_per_endpoint: int | None = Field(
+        None, gt=0, description="Gateway in-flight requests per routable endpoint of the preferred pool."
+    )
+
+
+class Route(_Strict):
+    preferred: Name = Field(description="The pool this class goes to normally.")
+    saturated: Name | None = Field(None, description="The pool to use while the preferred one is saturated.")
+    fallback: list[Name] = Field(
+        default_factory=list, description="Ordered pools to try when the chosen pool fails before the commit."
+    )
+    saturation: Saturation = Field(default_factory=Saturation)
+
+
+class TrafficClass(_Strict):
+    name: Name
+    description: str | None = None
+    when: Conditions = Field(default_factory=Conditions)
+    route: Route
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
+    first_byte_s: float = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
+    total_s: float = Field(600.0, gt=0, description="Whole request, streaming included.")
+
+    @field_validator("connect_s", "first_byte_s", "total_s", mode="before")
+    @classmethod
+    def _int_is_number(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Timeouts:
+        if not self.connect_s <= self.first_byte_s <= self.total_s:
+            raise ValueError(
+                "thresholds out of order: need connect_s <= first_byte_s <= total_s, got "
+                f"{self.connect_s} / {self.first_byte_s} / {self.total_s}"
+            )
+        return self
+
+
+class Speculative(_Strict):
+    """Informational: what the pool's vLLM runs with (``--speculative-config``)."""
+
+    method: SpecMethod
+    num_speculative_tokens: int = Field(gt=0)
+    draft_model: str | None = None
+
+
+class Endpoint(_Strict):
+    url: str = Field(description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000")
+    weight: float = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
+    id: Name | None = Field(None, description="Stable id (default: host:port of the URL).")
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _int_is_number(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"endpoint url must be http(s)://host[:port], got {v!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"endpoint url must not carry a query or fragment, got {v!r}")
+        return v.rstrip("/")
+
+    @property
+    def endpoint_id(self) -> str:
+        if self.id is not None:
+            return self.id
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"{parts.hostname}:{port}"
+
+
+class Pool(_Strict):
+    name: Name
+    kind: PoolKind
+    speculative: Speculative | None = Field(None, description="Required for kind speculative.")
+    models: list[str] = Field(min_length=1, description="Model names this pool serves (as in /v1/models).")
+    endpoints: list[Endpoint] = Field(min_length=1)
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the pool's API key (sent as Bearer).",
+    )
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_connections: int = Field(256, gt=0, description="Connection pool size per endpoint.")
+
+    @model_validator(mode="after")
+    def _kind_matches(self) -> Pool:
+        if self.kind == "speculative" and self.speculative is None:
+            raise ValueError("a speculative pool needs a `speculative` block (method, num_speculative_tokens)")
+        if self.kind == "standard" and self.speculative is not None:
+            raise ValueError("a standard pool must not have a `speculative` block")
+        return self
+
+
+class Defaults(_Strict):
+    temperature: float = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
+    top_p: float = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
+    task_type: Name = Field("chat", description="Task type when no header and no task rule applies.")
+    chars_per_token: float = Field(4.0, gt=0, description="For the approximate prompt size.")
+    max_attempts: int = Field(2, ge=1, le=10, description="Attempts per request across pools (before commit).")
+
+    @field_validator("temperature", "top_p", "chars_per_token", mode="before")
+    @classmethod
+    def _int_is_number(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+
+class RoutingRules(_Strict):
+    """The whole routing YAML."""
+
+    version: Literal[1] = 1
+    defaults: Defaults = Field(default_factory=Defaults)
+    pools: list[Pool] = Field(min_length=1)
+    embeddings_pool: Name | None = Field(None, description="Pool that serves POST /v1/embeddings.")
+    task_rules: list[TaskRule] = Field(default_factory=list)
+    classes: list[TrafficClass] = Field(min_length=1, description="First match wins; the last is a catch-all.")
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)

@@ -1,0 +1,157 @@
+"""The one dependency container of a gateway process, built by ``create_app`` and run by its lifespan.
+
+Everything that depends on the routing YAML lives in one immutable ``LiveConfig``; a reload builds a new one
+and swaps the reference in a single assignment, so a request sees either the old config or the new one, never
+a mix. Endpoint state (health, in-flight counts) is carried over by endpoint id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.classify import Classifier
+from gateway.decide import PoolView
+from gateway.errors import Unauthorized
+from gateway.health import HealthChecker
+from gateway.metrics import GatewayMetrics
+from gateway.pools import PoolState
+from gateway.record import ACCESS_LOGGER
+from gateway.rules.loader import load_rules_text
+from gateway.rules.schema import RoutingRules
+from gateway.settings import Settings
+from gateway.upstream import PoolClient
+
+logger = logging.getLogger("specgate")
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    rules: RoutingRules
+    source: str
+    digest: str
+    loaded_at: float
+    classifier: Classifier
+    pools: dict[str, PoolState]
+    clients: dict[str, PoolClient]
+    models: tuple[str, ...]
+    model_set: frozenset[str]
+
+    @classmethod
+    def build(cls, rules: RoutingRules, source: str, text: str, previous: LiveConfig | None = None) -> LiveConfig:
+        pools = {p.name: PoolState.from_spec(p) for p in rules.pools}
+        if previous is not None:  # keep what was learnt about endpoints that still exist
+            old = {(e.pool, e.id): e for p in previous.pools.values() for e in p.endpoints}
+            for pool in pools.values():
+                for ep in pool.endpoints:
+                    prev = old.get((ep.pool, ep.id))
+                    if prev is not None and prev.url == ep.url:
+                        ep.healthy, ep.in_flight = prev.healthy, prev.in_flight
+        models = tuple(dict.fromkeys(m for p in rules.pools for m in p.models))
+        return cls(
+            rules=rules,
+            source=source,
+            digest=hashlib.sha256(text.encode()).hexdigest()[:16],
+            loaded_at=time.time(),
+            classifier=Classifier(rules),
+            pools=pools,
+            clients={p.name: PoolClient(p) for p in rules.pools},
+            models=models,
+            model_set=frozenset(models),
+        )
+
+    def views(self) -> dict[str, PoolView]:
+        return {
+            name: PoolView(
+                name=name,
+                kind=p.spec.kind,
+                models=p.models,
+                routable_endpoints=sum(1 for e in p.endpoints if e.routable),
+                in_flight=p.in_flight,
+            )
+            for name, p in self.pools.items()
+        }
+
+    def healthy_endpoints(self) -> int:
+        return sum(p.healthy_count() for p in self.pools.values())
+
+
+class Runtime:
+    def __init__(self, settings: Settings, live: LiveConfig) -> None:
+        self.settings = settings
+        self.live = live
+        self.metrics = GatewayMetrics()
+        self.access_log = logging.getLogger(ACCESS_LOGGER)
+        self.rng = random.Random()
+        self.started_at = int(time.time())
+        keys = settings.client_api_keys()
+        self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
+        self.health = HealthChecker(
+            lambda: self.live.pools.values(),
+            self.metrics,
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Runtime:
+        """Load and validate the routing YAML; raises ``RulesError`` with every problem found."""
+        path = Path(settings.rules)
+        text = path.read_text()
+        rules = load_rules_text(text, source=str(path))
+        return cls(settings, LiveConfig.build(rules, str(path), text))
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self._key_digests)
+
+    def authenticate(self, authorization: str | None) -> None:
+        if not self._key_digests:
+            return
+        if not authorization or not authorization[:7].lower() == "bearer ":
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        if digest not in self._key_digests:
+            raise Unauthorized("invalid API key")
+
+    @property
+    def ready(self) -> tuple[bool, str]:
+        if self.health.rounds == 0:
+            return False, "first health check round not finished"
+        if self.live.healthy_endpoints() == 0:
+            return False, "no healthy endpoint"
+        return True, "ok"
+
+    async def start(self) -> None:
+        if not self.auth_enabled:
+            logger.warning(
+                "client authentication is OFF: any client can use this gateway "
+                "(set SPECGATE_API_KEYS or --api-keys-file to require keys)"
+            )
+        rules = self.live.rules
+        logger.info(
+            "specgate ready to serve: %d pools, %d classes, config %s (%s)",
+            len(rules.pools),
+            len(rules.classes),
+            self.live.source,
+            self.live.digest,
+        )
+        self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        await self.health.close()
+        for client in self.live.clients.values():
+            await client.close()

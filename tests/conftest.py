@@ -1,0 +1,137 @@
+"""Shared fixtures: real uvicorn servers in threads (the gateway and fake vLLM upstreams)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+import yaml
+from starlette.types import ASGIApp
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.testing.fake_upstream import FakeConfig, FakeUpstreamServer
+
+MODEL = "meta-llama/Llama-3.3-70B-Instruct"
+SPEC_ONLY_MODEL = "spec-only-model"
+
+
+class ServerThread:
+    """Any ASGI app on a real loopback socket, served by uvicorn in a background thread."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.005)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def closed_port_url() -> str:
+    """A URL where nothing listens (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def rules_for(spec_urls: list[str], std_urls: list[str], **overrides: Any) -> dict[str, Any]:
+    """A small routing config: a speculative home for low-temperature code/structured work, standard otherwise."""
+    rules: dict[str, Any] = {
+        "version": 1,
+        "defaults": {"temperature": 1.0, "max_attempts": 2},
+        "pools": [
+            {
+                "name": "spec",
+                "kind": "speculative",
+                "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
+                "models": [MODEL, SPEC_ONLY_MODEL],
+                "endpoints": [{"url": u, "id": f"spec-{i}"} for i, u in enumerate(spec_urls)],
+                "timeouts": {"connect_s": 1, "first_byte_s": 5, "total_s": 30},
+            },
+            {
+                "name": "std",
+                "kind": "standard",
+                "models": [MODEL],
+                "endpoints": [{"url": u, "id": f"std-{i}"} for i, u in enumerate(std_urls)],
+                "timeouts": {"connect_s": 1, "first_byte_s": 5, "total_s": 30},
+            },
+        ],
+        "task_rules": [
+            {"task": "structured", "response_format": {"in": ["json_object", "json_schema"]}},
+            {"task": "code", "patterns": [r"\bpython\b", r"```", r"\bdef \w+\("]},
+        ],
+        "classes": [
+            {
+                "name": "precise",
+                "when": {"temperature": {"lte": 0.5}, "task_type": {"in": ["code", "structured"]}},
+                "route": {"preferred": "spec", "saturated": "std", "fallback": ["std"]},
+            },
+            {"name": "default", "route": {"preferred": "std", "fallback": ["spec"]}},
+        ],
+    }
+    rules.update(overrides)
+    return rules
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[..., FakeUpstreamServer]]:
+    started: list[FakeUpstreamServer] = []
+
+    def start(name: str = "fake", **kw: Any) -> FakeUpstreamServer:
+        kw.setdefault("models", [MODEL, SPEC_ONLY_MODEL])
+        server = FakeUpstreamServer(FakeConfig(name=name, **kw)).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
+    started: list[ServerThread] = []
+
+    def start(rules: dict[str, Any], **settings: Any) -> ServerThread:
+        path = tmp_path / f"rules-{len(started)}.yaml"
+        path.write_text(yaml.safe_dump(rules, sort_keys=False))
+        settings.setdefault("health_interval_s", 0.2)
+        settings.setdefault("health_timeout_s", 0.5)
+        app = create_app(Settings(rules=path, host="127.0.0.1", port=8080, **settings))
+        server = ServerThread(app).start()
+        started.append(server)
+        deadline = time.monotonic() + 5
+        while app.state.runtime.health.rounds == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()

@@ -1,0 +1,87 @@
+"""The routing decision (pure) and the endpoint pick."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from gateway.decide import PoolView, plan_route
+from gateway.pools import PoolState
+from gateway.rules.schema import Pool, Route
+
+
+def view(name: str, *, routable: int = 1, in_flight: int = 0, models: tuple[str, ...] = ("m",)) -> PoolView:
+    return PoolView(name, "standard", frozenset(models), routable, in_flight)
+
+
+def route(**kw: object) -> Route:
+    return Route.model_validate({"preferred": "spec", **kw})
+
+
+def test_preferred_then_fallbacks() -> None:
+    plan = plan_route(route(fallback=["std"]), "m", {"spec": view("spec"), "std": view("std")})
+    assert plan.pools == ("spec", "std")
+    assert plan.reason == "preferred"
+
+
+def test_saturated_pool_goes_first_when_preferred_is_saturated() -> None:
+    r = route(saturated="std", fallback=["std"], saturation={"max_inflight_per_endpoint": 4})
+    calm = plan_route(r, "m", {"spec": view("spec", routable=2, in_flight=7), "std": view("std")})
+    busy = plan_route(r, "m", {"spec": view("spec", routable=2, in_flight=8), "std": view("std")})
+    assert calm.pools == ("spec", "std")
+    assert busy.pools == ("std", "spec")
+    assert busy.reason == "saturated"
+
+
+def test_pools_without_the_model_or_endpoints_are_skipped() -> None:
+    r = route(fallback=["std", "other"])
+    pools = {"spec": view("spec", routable=0), "std": view("std", models=("x",)), "other": view("other")}
+    plan = plan_route(r, "m", pools)
+    assert plan.pools == ("other",)
+    assert plan.reason == "spec unavailable"
+    assert dict(plan.skipped) == {"spec": "no routable endpoint", "std": "model not served"}
+
+
+def test_empty_plan() -> None:
+    plan = plan_route(route(), "m", {"spec": view("spec", routable=0)})
+    assert plan.empty
+
+
+def _pool(weights: list[float]) -> PoolState:
+    spec = Pool.model_validate(
+        {
+            "name": "p",
+            "kind": "standard",
+            "models": ["m"],
+            "endpoints": [{"url": f"http://h{i}:8000", "weight": w} for i, w in enumerate(weights)],
+        }
+    )
+    return PoolState.from_spec(spec)
+
+
+def test_pick_respects_weights_and_drain() -> None:
+    pool = _pool([3.0, 1.0, 0.0])
+    rng = random.Random(1)
+    counts = Counter(pool.pick(rng).id for _ in range(4000))  # type: ignore[union-attr]
+    assert "h2:8000" not in counts  # weight 0 = drained
+    assert counts["h0:8000"] > 2 * counts["h1:8000"]
+
+
+def test_pick_prefers_least_in_flight() -> None:
+    pool = _pool([1.0, 1.0])
+    pool.endpoints[0].in_flight = 50
+    rng = random.Random(2)
+    counts = Counter(pool.pick(rng).id for _ in range(1000))  # type: ignore[union-attr]
+    assert counts["h1:8000"] > 700
+
+
+def test_pick_skips_unhealthy_and_excluded() -> None:
+    pool = _pool([1.0, 1.0, 1.0])
+    pool.endpoints[0].healthy = False
+    rng = random.Random(3)
+    for _ in range(100):
+        ep = pool.pick(rng, exclude={"h1:8000"})
+        assert ep is not None
+        assert ep.id == "h2:8000"
+    pool.endpoints[2].weight = 0
+    assert pool.pick(rng, exclude={"h1:8000"}) is None
