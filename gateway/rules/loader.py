@@ -95,11 +95,10 @@ def load_rules_file(path: str | os.PathLike[str]) -> RoutingRules:
 def load_rules_text(text: str, source: str = "<string>") -> RoutingRules:
     """Parse, validate and check a routing YAML document; raises ``RulesError`` with every issue found."""
     try:
-        root, data = _parse_yaml(text)
+        root, data, issues = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise RulesError([_yaml_issue(exc)], source) from exc
 
-    issues = _duplicate_keys(root) if root is not None else []
     if root is None or not isinstance(data, dict):
         got = "an empty document" if root is None else _kind(data)
         line = root.start_mark.line + 1 if root is not None else None
@@ -137,15 +136,17 @@ def summary(rules: RoutingRules) -> str:
 # ---------------------------------------------------------------------------------------------- YAML
 
 
-def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any]:
-    """Compose the node tree (for lines and duplicate keys) and construct the data from it, in one parse."""
+def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any, list[ConfigIssue]]:
+    """Compose the node tree (for lines and duplicate keys), then construct the data from it: one parse."""
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
-        data = loader.construct_document(root) if root is not None else None
+        if root is None:
+            return None, None, []
+        duplicates = _duplicate_keys(root)  # first: construction flattens `<<` merges into the tree in place
+        return root, loader.construct_document(root), duplicates
     finally:
         loader.dispose()
-    return root, data
 
 
 def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
@@ -211,12 +212,15 @@ def _entry(node: yaml.Node, part: str | int) -> tuple[yaml.Node, yaml.Node] | No
     if not isinstance(node, yaml.MappingNode):
         return None
     merged: list[yaml.Node] = []
-    for key, value in node.value:
+    found: tuple[yaml.Node, yaml.Node] | None = None
+    for key, value in node.value:  # the last match, as in the constructed dict (merged keys come first)
         if isinstance(key, yaml.ScalarNode) and key.tag == _MERGE_TAG:
             merged.extend(value.value if isinstance(value, yaml.SequenceNode) else [value])
         elif isinstance(key, yaml.ScalarNode) and key.value == str(part):
-            return key, value
-    for source in merged:
+            found = key, value
+    if found is not None:
+        return found
+    for source in merged:  # a tree whose merges were not flattened by construction
         found = _entry(source, part)
         if found is not None:
             return found

@@ -188,7 +188,10 @@ class Speculative(_Strict):
 
 
 class Endpoint(_Strict):
-    url: str = Field(description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000")
+    url: str = Field(
+        description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000",
+        json_schema_extra={"pattern": "^https?://[^/?#]+"},  # for editors; the validator below decides
+    )
     weight: float = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
     id: Name | None = Field(None, description="Stable id (default: host:port of the URL).")
 

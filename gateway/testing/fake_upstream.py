@@ -22,8 +22,22 @@ the header)::
 
 Test hooks (never behind ``--api-key``, never recorded): ``GET/DELETE /_fake/requests`` (every other request
 received, newest last: method, path, query, headers with lower-case names, parsed JSON body; ``?path=``
-filters), ``GET /_fake/stats`` (``started``, ``completed``, ``aborted``, ``broken``, ``in_flight``), and
-``GET/PUT /_fake/behavior`` (``{"default": "status=503" | null, "health_status": 200}``).
+filters), ``GET /_fake/stats`` (below), and ``GET/PUT /_fake/behavior`` (``{"default": "status=503" | null,
+"health_status": 200}``; ``health_status`` is what ``GET /health`` answers).
+
+Stats count admitted generation/embedding requests, i.e. not those refused with 400/401/404 or an injected
+``status=``: ``started``; ``completed`` (the whole response went out, ``error_event_after`` included);
+``aborted`` (the client went away first: noticed within a loop tick of the socket closing, whatever the request
+was waiting on); ``broken`` (``break_after``); ``in_flight``. A request is booked before its last bytes are
+sent, so a client that has read its whole response already sees it counted. In ``/metrics`` a request is
+"waiting" until its first token (``first_token_delay``, ``hang``) and "running" after.
+
+The abrupt break closes uvicorn's transport directly (reached through the ASGI ``send`` it hands the app, a
+bound method of its RequestResponseCycle): buffered chunks are flushed, then FIN in the middle of the chunked
+body. aiohttp then raises ``ClientPayloadError`` (stream) / ``ServerDisconnectedError`` (no response yet);
+httpx ``RemoteProtocolError`` ("incomplete chunked read" / "Server disconnected without sending a response").
+Under another ASGI server (or httpx's ASGITransport) it raises instead, which makes a server drop the
+connection once a response has started.
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ __all__ = [
     "main",
     "parse_behavior",
     "serve_fake_upstream",
+    "spec_decode_metrics",
 ]
 
 BEHAVIOR_HEADER = "x-fake-behavior"
@@ -961,7 +976,14 @@ def _is_token_list(value: list[Any]) -> bool:
 
 def serve_fake_upstream(config: FakeConfig, host: str, port: int) -> None:
     """Serve a fake upstream with uvicorn until interrupted (blocking)."""
-    uvicorn.run(create_fake_upstream(config), host=host, port=port, log_level="warning", lifespan="off")
+    uvicorn.run(
+        create_fake_upstream(config),
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=1,  # hung requests must not hold up Ctrl-C
+    )
 
 
 class FakeUpstreamServer:

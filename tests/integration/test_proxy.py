@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,7 @@ def two_pools(fake: Fake, gateway: Gateway) -> tuple[ServerThread, FakeUpstreamS
 
 
 def test_classes_reach_their_pools_with_the_decision_visible(two_pools: Any) -> None:
-    gw, spec, std = two_pools
+    gw, spec, _std = two_pools
     r = httpx.post(gw.url + "/v1/chat/completions", json=CODE_REQ, headers={"X-Request-Id": "req-42"})
     assert r.status_code == 200, r.text
     assert r.json()["system_fingerprint"] == "fake-spec"
@@ -67,7 +68,7 @@ def test_unknown_fields_pass_through_untouched(two_pools: Any) -> None:
 
 
 def test_completions_endpoint(two_pools: Any) -> None:
-    gw, spec, _ = two_pools
+    gw, _, _ = two_pools
     r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "def add(", "temperature": 0})
     assert r.status_code == 200
     assert r.json()["object"] == "text_completion"
@@ -88,7 +89,7 @@ def test_first_chunk_arrives_before_the_upstream_finishes(fake: Fake, gateway: G
     assert total > 12 * 0.15 * 0.9
     # The role chunk and the first token come long before the end, and tokens trickle in one by one.
     assert arrivals[1] < total / 3
-    gaps = [b - a for a, b in zip(arrivals[1:12], arrivals[2:13], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals[1:13])]
     assert sum(1 for g in gaps if g > 0.05) >= 8
 
 
