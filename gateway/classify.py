@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Literal
 
+import re2
+
 from gateway.errors import InvalidParameter
-from gateway.rules.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass
+from gateway.rules.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
 
 Endpoint = Literal["chat", "completions"]
 TaskSource = Literal["header", "rule", "default"]
@@ -51,9 +54,13 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise InvalidParameter(f"'{key}' must be a number, got {type(v).__name__}", param=key)
-    if not math.isfinite(v):
-        raise InvalidParameter(f"'{key}' must be finite", param=key)
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise InvalidParameter(f"'{key}' must be a finite number", param=key)
+    return f
 
 
 def _text_of(content: Any) -> str:
@@ -108,45 +115,87 @@ def _completion_texts(body: Mapping[str, Any]) -> _Texts:
     raise InvalidParameter("'prompt' must be a string, an array of strings or of token ids", param="prompt")
 
 
-class _CompiledTaskRule:
-    __slots__ = ("formats", "patterns", "scope_last_user", "scope_system", "task", "tools")
+def _window(text: str, limit: int) -> str:
+    """The head and tail of a long text: task cues sit at the start or the end of a prompt."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + "\n" + text[-half:]
 
-    def __init__(self, rule: TaskRule) -> None:
-        self.task = rule.task
-        self.formats = frozenset(rule.response_format.in_) if rule.response_format else None
-        self.tools = rule.tools
-        self.patterns = (
-            re.compile("|".join(f"(?:{p})" for p in rule.patterns), re.IGNORECASE) if rule.patterns else None
+
+class _TaskMatcher:
+    """All task rules' patterns in two RE2 sets (system prompt, last user message): one linear pass per text."""
+
+    def __init__(self, rules: Sequence[TaskRule], scan_chars: int) -> None:
+        self._scan_chars = scan_chars
+        self._rules = tuple(
+            (r.task, frozenset(r.response_format.in_) if r.response_format else None, r.tools, bool(r.patterns))
+            for r in rules
         )
-        self.scope_system = "system" in rule.scope
-        self.scope_last_user = "last_user" in rule.scope
+        self._sets: list[tuple[Any, list[int], str]] = []
+        for scope in ("system", "last_user"):
+            owners: list[int] = []
+            rset = re2.Set.SearchSet(re2_options())
+            for i, rule in enumerate(rules):
+                if scope in rule.scope:
+                    for pattern in rule.patterns:
+                        rset.Add(pattern)
+                        owners.append(i)
+            if owners:
+                rset.Compile()
+                self._sets.append((rset, owners, scope))
 
-    def matches(self, response_format: str, tools: bool, texts: _Texts) -> bool:
-        if self.formats is not None and response_format not in self.formats:
-            return False
-        if self.tools is not None and tools != self.tools:
-            return False
-        if self.patterns is None:
-            return True
-        if self.scope_system and texts.system and self.patterns.search(texts.system):
-            return True
-        return bool(self.scope_last_user and texts.last_user and self.patterns.search(texts.last_user))
+    def _scan(self, texts: _Texts) -> set[int]:
+        hits: set[int] = set()
+        for rset, owners, scope in self._sets:
+            text = texts.system if scope == "system" else texts.last_user
+            if text:
+                hits.update(owners[k] for k in rset.Match(_window(text, self._scan_chars)) or ())
+        return hits
+
+    def match(self, response_format: str, tools: bool, texts: _Texts) -> str | None:
+        hits: set[int] | None = None
+        for i, (task, formats, want_tools, has_patterns) in enumerate(self._rules):
+            if formats is not None and response_format not in formats:
+                continue
+            if want_tools is not None and tools != want_tools:
+                continue
+            if not has_patterns:
+                return task
+            if hits is None:
+                hits = self._scan(texts)
+            if i in hits:
+                return task
+        return None
 
 
 Predicate = Callable[[RequestFeatures], bool]
 
 
 def _range_pred(attr: str, r: Range) -> Predicate:
-    return lambda f: r.contains(getattr(f, attr))
+    get = attrgetter(attr)
+    lo = max((b for b in (r.gt, r.gte) if b is not None), default=-math.inf)
+    hi = min((b for b in (r.lt, r.lte) if b is not None), default=math.inf)
+    lo_open = r.gt is not None and r.gt == lo
+    hi_open = r.lt is not None and r.lt == hi
+    if lo_open and hi_open:
+        return lambda f: lo < get(f) < hi
+    if lo_open:
+        return lambda f: lo < get(f) <= hi
+    if hi_open:
+        return lambda f: lo <= get(f) < hi
+    return lambda f: lo <= get(f) <= hi
 
 
 def _set_pred(attr: str, values: list[str]) -> Predicate:
+    get = attrgetter(attr)
     allowed = frozenset(values)
-    return lambda f: getattr(f, attr) in allowed
+    return lambda f: get(f) in allowed
 
 
 def _bool_pred(attr: str, want: bool) -> Predicate:
-    return lambda f: bool(getattr(f, attr)) is want
+    get = attrgetter(attr)
+    return lambda f: bool(get(f)) is want
 
 
 def compile_conditions(c: Conditions) -> tuple[Predicate, ...]:
@@ -175,7 +224,7 @@ class Classifier:
         self._default_top_p = d.top_p
         self._default_task = d.task_type
         self._chars_per_token = d.chars_per_token
-        self._task_rules = tuple(_CompiledTaskRule(r) for r in rules.task_rules)
+        self._tasks = _TaskMatcher(rules.task_rules, d.task_scan_chars)
         self._classes = tuple((c, compile_conditions(c.when)) for c in rules.classes)
 
     def features(self, endpoint: Endpoint, body: Mapping[str, Any], task_header: str | None = None) -> RequestFeatures:
@@ -214,10 +263,9 @@ class Classifier:
         if task_header and _TASK_HEADER_RE.match(task_header):
             task, task_source = task_header.lower(), "header"
         else:
-            for rule in self._task_rules:
-                if rule.matches(response_format, tools, texts):
-                    task, task_source = rule.task, "rule"
-                    break
+            matched = self._tasks.match(response_format, tools, texts)
+            if matched is not None:
+                task, task_source = matched, "rule"
             else:
                 task, task_source = self._default_task, "default"
 
@@ -239,7 +287,10 @@ class Classifier:
     def traffic_class(self, features: RequestFeatures) -> TrafficClass:
         """The first class whose conditions all hold. The loader guarantees a catch-all at the end."""
         for cls, preds in self._classes:
-            if all(p(features) for p in preds):
+            for p in preds:
+                if not p(features):
+                    break
+            else:
                 return cls
         return self._classes[-1][0]
 

@@ -159,5 +159,36 @@ def demo(
         raise _fail(str(exc)) from exc
 
 
+bench_app = typer.Typer(help="Benchmarks that print numbers (run on a quiet machine).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("overhead")
+def bench_overhead_cmd(
+    duration: Annotated[int, typer.Option(help="Seconds per measurement.")] = 10,
+    connections: Annotated[str, typer.Option(help="Comma-separated connection counts.")] = "1,32",
+) -> None:
+    """Latency and throughput the gateway adds, against a static upstream (needs wrk)."""
+    from gateway.bench.overhead import bench_overhead, render
+
+    conns = [int(c) for c in connections.split(",") if c.strip()]
+    try:
+        rows = bench_overhead(conns, duration)
+    except RuntimeError as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render(rows), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("classify")
+def bench_classify_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML.")] = Path("routing_rules/default.yaml"),
+    n: Annotated[int, typer.Option(help="Requests in the mix.")] = 20000,
+) -> None:
+    """Cost of classifying one request (parse + features + class), on a realistic mix."""
+    from gateway.bench.classify import run
+
+    out.print(run(str(rules), n).render(), highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     app()

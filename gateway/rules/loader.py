@@ -70,7 +70,7 @@ class RulesError(Exception):
     def __init__(self, issues: Sequence[ConfigIssue], source: str) -> None:
         self.issues: list[ConfigIssue] = list(issues)
         self.source = source
-        super().__init__(source, self.issues)
+        super().__init__(self.issues, source)  # args in signature order, so that it pickles
 
     def __str__(self) -> str:
         return "\n".join(f"{self.source}: {issue}" for issue in self.issues)

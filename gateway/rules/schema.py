@@ -8,21 +8,31 @@ that need the whole document (pool references, a catch-all class, unique names) 
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
+import re2
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
+def re2_options() -> re2.Options:
+    """Task-rule patterns run on RE2: linear time whatever the pattern or the text (no ReDoS from client input),
+    and a whole rule set is matched in one pass. Case-insensitive; no lookaround, no backreferences."""
+    opts = re2.Options()
+    opts.case_sensitive = False
+    opts.log_errors = False
+    return opts
+
+
 def _compilable(pattern: str) -> str:
     try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from exc
+        re2.compile(pattern, re2_options())
+    except re2.error as exc:
+        detail = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(f"invalid regular expression {pattern!r} (RE2 syntax): {detail}") from exc
     return pattern
 
 
@@ -58,6 +68,8 @@ class Range(_Strict):
     def _ordered(self) -> Range:
         if self.lt is None and self.lte is None and self.gt is None and self.gte is None:
             raise ValueError("a range needs at least one of lt, lte, gt, gte")
+        if any(b is not None and math.isnan(b) for b in (self.lt, self.lte, self.gt, self.gte)):
+            raise ValueError("a range bound must be a number, not NaN (nothing would ever match)")
         lower = max(
             (b for b in (self.gt, self.gte) if b is not None),
             default=-math.inf,
@@ -249,6 +261,9 @@ class Defaults(_Strict):
     top_p: float = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
     task_type: Name = Field("chat", description="Task type when no header and no task rule applies.")
     chars_per_token: float = Field(4.0, gt=0, description="For the approximate prompt size.")
+    task_scan_chars: int = Field(
+        16384, ge=256, description="Task-rule patterns see at most this many characters of a text (head and tail)."
+    )
     max_attempts: int = Field(2, ge=1, le=10, description="Attempts per request across pools (before commit).")
 
     @field_validator("temperature", "top_p", "chars_per_token", mode="before")

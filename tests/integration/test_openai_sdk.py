@@ -100,8 +100,12 @@ def test_stream_broken_mid_way_raises_api_error(gw: ServerThread) -> None:
         extra_headers={"X-Fake-Behavior": "break_after=3"},
     )
     received: list[str] = []
-    with pytest.raises(openai.APIError):
+
+    def consume() -> None:
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 received.append(chunk.choices[0].delta.content)
+
+    with pytest.raises(openai.APIError):
+        consume()
     assert len(received) == 3  # what came before the break, and never anything after it

@@ -38,6 +38,7 @@ INVALID: dict[str, tuple[str, str, int | None]] = {
     "merge_unknown_pool": ("classes[1].route.fallback[0]", 'unknown pool "standrd"', 17),
     "missing_catch_all": ("classes[1].when", "must be a catch-all", 23),
     "missing_route_preferred": ("classes[1].route.preferred", "required field missing", 23),
+    "nan_bound": ("classes[0].when.temperature", "not NaN", 17),
     "negative_weight": ("pools[1].endpoints[0].weight", "must be >= 0", 14),
     "non_http_url": ("pools[0].endpoints[0].url", "must be http(s)", 8),
     "non_string_key": ("", "keys must be strings, got 1", 2),
