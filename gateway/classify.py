@@ -21,7 +21,7 @@ from gateway.rules.schema import Conditions, Range, RoutingRules, TaskRule, Traf
 Endpoint = Literal["chat", "completions"]
 TaskSource = Literal["header", "rule", "default"]
 TASK_HEADER = "x-task-type"
-_TASK_HEADER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +150,9 @@ class _TaskMatcher:
         for rset, owners, scope in self._sets:
             text = texts.system if scope == "system" else texts.last_user
             if text:
-                hits.update(owners[k] for k in rset.Match(_window(text, self._scan_chars)) or ())
+                # Encoded here: "replace" keeps a lone surrogate (possible in JSON) from raising.
+                data = _window(text, self._scan_chars).encode("utf-8", "replace")
+                hits.update(owners[k] for k in rset.Match(data) or ())
         return hits
 
     def match(self, response_format: str, tools: bool, texts: _Texts) -> str | None:
@@ -249,7 +251,8 @@ class Classifier:
             stream_raw = False
         if not isinstance(stream_raw, bool):
             raise InvalidParameter("'stream' must be a boolean", param="stream")
-        tools = bool(body.get("tools")) or body.get("tool_choice") not in (None, "none")
+        tools_raw = body.get("tools")
+        tools = isinstance(tools_raw, list) and len(tools_raw) > 0
         rf = body.get("response_format")
         if rf is None:
             response_format = "text"
@@ -260,7 +263,7 @@ class Classifier:
         texts = _chat_texts(body) if endpoint == "chat" else _completion_texts(body)
 
         task_source: TaskSource
-        if task_header and _TASK_HEADER_RE.match(task_header):
+        if task_header and _TASK_HEADER_RE.fullmatch(task_header):
             task, task_source = task_header.lower(), "header"
         else:
             matched = self._tasks.match(response_format, tools, texts)

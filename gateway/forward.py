@@ -13,12 +13,12 @@ is ever re-sent: a stream that breaks ends with an explicit error event and ``[D
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -89,13 +89,6 @@ def _candidates(
             return
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 class ProxyResponse(Response):
     """An ASGI response that runs the attempts and the relay itself (no body of its own)."""
 
@@ -117,23 +110,35 @@ class ProxyResponse(Response):
         self.outcome: Outcome = "ok"
         self.committed = False
         self._opened: _Opened | None = None
+        self._client_gone = False
+        self._last_send = False  # from here on, a disconnect is the normal end of the exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self._run(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        # The work runs in this task; a small watcher cancels it when the client goes away.
+        task = asyncio.current_task()
+        assert task is not None
+        watch = asyncio.ensure_future(self._watch(receive, task))
         try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                self.outcome = "client_disconnect"
-                work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+            await self._run(send)
+        except asyncio.CancelledError:
+            if not self._client_gone:
+                raise
+            task.uncancel()
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()
             self._cleanup()
             self.job.record.finish(self.outcome, self.metrics, self.access_log)
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if self._last_send:
+                    return
+                self._client_gone = True
+                self.outcome = "client_disconnect"
+                task.cancel()
+                return
 
     # --- the attempt loop -------------------------------------------------------------------------------
 
@@ -241,6 +246,7 @@ class ProxyResponse(Response):
         self.job.record.status = exc.status
         await send({"type": "http.response.start", "status": exc.status, "headers": headers})
         self.committed = True
+        self._last_send = True
         await send({"type": "http.response.body", "body": body})
 
     async def _send_buffered(self, send: Send, opened: _Opened) -> None:
@@ -256,6 +262,7 @@ class ProxyResponse(Response):
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
+        self._last_send = True
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(self, send: Send, opened: _Opened) -> None:
@@ -282,6 +289,7 @@ class ProxyResponse(Response):
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"
             await send({"type": "http.response.body", "body": sse_error(rec.error), "more_body": True})
+        self._last_send = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_events(self, send: Send, events: list[bytes]) -> bool:

@@ -6,7 +6,7 @@ a request that never reached a class or a pool is labelled ``none``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -70,6 +70,30 @@ class GatewayMetrics:
             ["pool", "result"],
             registry=r,
         )
+
+        # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+
+    def observe_request(
+        self, cls: str, pool: str, outcome: Outcome, e2e_s: float, ttft_s: float | None, overhead_s: float | None
+    ) -> None:
+        key = (cls, pool, outcome)
+        children = self._children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(cls, pool, outcome),
+                self.e2e.labels(cls, pool),
+                self.ttft.labels(cls, pool),
+                self.overhead.labels(cls),
+            )
+            self._children[key] = children
+        count, e2e, ttft, overhead = children
+        count.inc()
+        e2e.observe(e2e_s)
+        if ttft_s is not None:
+            ttft.observe(ttft_s)
+        if overhead_s is not None:
+            overhead.observe(overhead_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

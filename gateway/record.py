@@ -77,15 +77,9 @@ class RequestRecord:
         end = time.perf_counter()
         e2e = end - self.arrived
         cls, pool = self.traffic_class, self.pool
-        metrics.requests.labels(cls, pool, outcome).inc()
-        metrics.e2e.labels(cls, pool).observe(e2e)
-        ttft = None
-        if self.stream and self.first_sent is not None:
-            ttft = self.first_sent - self.arrived
-            metrics.ttft.labels(cls, pool).observe(ttft)
+        ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
         overhead = self.overhead_s(end)
-        if overhead is not None:
-            metrics.overhead.labels(cls).observe(overhead)
+        metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
         if logger.isEnabledFor(logging.INFO):
             line = {
                 "event": "request",

@@ -12,6 +12,7 @@ each batch (batch time divided by its size). ``python -m gateway.bench.classify 
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -86,6 +87,8 @@ class Timing:
 
 @dataclass(frozen=True, slots=True)
 class ClassifyBenchResult:
+    """What ``bench_classify`` measured; ``render()`` gives the table that ``main`` prints."""
+
     n: int
     batch: int
     mean_body_bytes: float
@@ -100,10 +103,10 @@ class ClassifyBenchResult:
         lines = [
             f"classification cost per request: {self.n} requests (mean body {self.mean_body_bytes / 1024:.1f} KiB), "
             f"clock read per batch of {self.batch}",
-            f"  {'':<18}{'mean':>10}{'p50':>10}{'p99':>10}",
+            f"  {'':<18}{'mean':>12}{'p50':>12}{'p99':>12}",
         ]
         for label, t in (("classify only", self.classify_only), ("parse + classify", self.parse_and_classify)):
-            lines.append(f"  {label:<18}{_us(t.mean_ns):>10}{_us(t.p50_ns):>10}{_us(t.p99_ns):>10}")
+            lines.append(f"  {label:<18}{_us(t.mean_ns):>12}{_us(t.p50_ns):>12}{_us(t.p99_ns):>12}")
         for title, counts in (("classes", self.classes), ("task types", self.tasks)):
             lines.append(f"{title}:")
             lines.extend(f"  {name:<30}{count:>7}  {100 * count / self.n:5.1f}%" for name, count in counts)
@@ -115,7 +118,9 @@ def _us(ns: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Request:
+class BenchRequest:
+    """One generated request: the parsed body and the same body as the JSON bytes a client would send."""
+
     endpoint: Endpoint
     body: dict[str, Any]
     raw: bytes
@@ -198,21 +203,21 @@ def _sampling(rng: random.Random, body: dict[str, Any]) -> None:
         body["stream_options"] = {"include_usage": True}
 
 
-def make_requests(rules: RoutingRules, n: int, seed: int = 0) -> list[_Request]:
+def make_requests(rules: RoutingRules, n: int, seed: int = 0) -> list[BenchRequest]:
     """``n`` request bodies (about 9 in 10 chat, the rest legacy completions) for the models the rules serve."""
     rng = random.Random(seed)
     models = list(dict.fromkeys(m for p in rules.pools for m in p.models))
-    out: list[_Request] = []
+    out: list[BenchRequest] = []
     for _ in range(n):
         model = rng.choice(models)
         endpoint: Endpoint = "chat" if rng.random() < 0.9 else "completions"
         body = _chat_body(rng, model) if endpoint == "chat" else _completion_body(rng, model)
         header = rng.choice(("code", "summarization", "Creative")) if rng.random() < 0.05 else None
-        out.append(_Request(endpoint, body, orjson.dumps(body), header))
+        out.append(BenchRequest(endpoint, body, orjson.dumps(body), header))
     return out
 
 
-def _time(requests: Sequence[_Request], batch: int, one: Callable[[_Request], object]) -> Timing:
+def _time(requests: Sequence[BenchRequest], batch: int, one: Callable[[BenchRequest], object]) -> Timing:
     """Run ``one`` over every request, reading the clock once per batch; per-request cost statistics."""
     clock = time.perf_counter_ns
     per_request: list[float] = []
@@ -231,7 +236,7 @@ def _time(requests: Sequence[_Request], batch: int, one: Callable[[_Request], ob
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of sorted values."""
-    k = max(0, min(len(sorted_values) - 1, round(q * len(sorted_values) + 0.5) - 1))
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
     return sorted_values[k]
 
 
@@ -243,18 +248,17 @@ def bench_classify(rules: RoutingRules, *, n: int = 20000, seed: int = 0, batch:
     requests = make_requests(rules, n, seed)
     batch = min(batch, n)
 
-    def classify_only(r: _Request) -> object:
+    def classify_only(r: BenchRequest) -> object:
         return classifier.classify(r.endpoint, r.body, r.task_header)
 
-    def parse_and_classify(r: _Request) -> object:
+    def parse_and_classify(r: BenchRequest) -> object:
         return classifier.classify(r.endpoint, orjson.loads(r.raw), r.task_header)
 
+    # Warm-up: one untimed pass over every request (parse + classify), which also counts classes and task types.
     classes: Counter[str] = Counter()
     tasks: Counter[str] = Counter()
-    for r in requests[: min(n, 2000)]:  # warm-up (and a first check that every body classifies)
-        parse_and_classify(r)
     for r in requests:
-        c = classifier.classify(r.endpoint, r.body, r.task_header)
+        c = classifier.classify(r.endpoint, orjson.loads(r.raw), r.task_header)
         classes[c.traffic_class.name] += 1
         tasks[c.features.task_type] += 1
 

@@ -16,6 +16,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+TASK_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+# Lower case: the X-Task-Type header is lower-cased before it is compared.
+TaskName = Annotated[str, Field(pattern=TASK_PATTERN)]
 
 
 def re2_options() -> re2.Options:
@@ -45,7 +48,7 @@ TextScope = Literal["system", "last_user"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Range(_Strict):
@@ -125,12 +128,13 @@ class Conditions(_Strict):
 class TaskRule(_Strict):
     """Assigns a task type. Rules are tried in order; every given part must match; the first match wins."""
 
-    task: Name
+    task: TaskName
     response_format: OneOf | None = Field(None, description="Match on response_format.type.")
     tools: bool | None = Field(None, description="Match when tools/tool_choice are (not) present.")
     patterns: list[Pattern] = Field(
         default_factory=list,
-        description="Regular expressions (case-insensitive); any one found in the scoped text matches.",
+        description="Regular expressions in RE2 syntax (case-insensitive; no lookaround; \\b is an ASCII word "
+        "boundary); any one found in the scoped text matches.",
     )
     scope: list[TextScope] = Field(
         default_factory=lambda: list[TextScope](("system", "last_user")),
@@ -259,7 +263,7 @@ class Pool(_Strict):
 class Defaults(_Strict):
     temperature: float = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
     top_p: float = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
-    task_type: Name = Field("chat", description="Task type when no header and no task rule applies.")
+    task_type: TaskName = Field("chat", description="Task type when no header and no task rule applies.")
     chars_per_token: float = Field(4.0, gt=0, description="For the approximate prompt size.")
     task_scan_chars: int = Field(
         16384, ge=256, description="Task-rule patterns see at most this many characters of a text (head and tail)."
