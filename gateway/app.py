@@ -238,4 +238,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
 
 def create_app_from_env() -> Starlette:
     """uvicorn factory for multi-worker mode: settings come from SPECGATE_* variables."""
-    return create_app(Settings.from_env())
+    from gateway.logs import configure_logging
+
+    settings = Settings.from_env()
+    configure_logging(settings.log_level)
+    return create_app(settings)

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gateway import __version__
 from gateway.settings import Settings, SettingsError
@@ -42,7 +43,7 @@ def _main(
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -135,12 +136,12 @@ def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")
         rules = load_rules_file(file)
     except RulesError as exc:
         for issue in exc.issues:
-            err.print(f"{file}: {issue}", highlight=False, soft_wrap=True)
+            err.print(escape(f"{file}: {issue}"), highlight=False, soft_wrap=True)
         err.print(f"[bold red]{len(exc.issues)} problem(s)[/] in {file}", highlight=False)
         raise typer.Exit(1) from exc
     except OSError as exc:
         raise _fail(f"cannot read {file}: {exc}") from exc
-    out.print(f"{file}: {summary(rules)}", highlight=False, soft_wrap=True)
+    out.print(escape(f"{file}: {summary(rules)}"), highlight=False, soft_wrap=True)
 
 
 @app.command()

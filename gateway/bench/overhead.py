@@ -1,9 +1,11 @@
 """``specgate bench overhead``: what the gateway adds to a request, against a static upstream, with wrk.
 
-One run measures, side by side and in the same conditions: wrk straight to the static upstream (the baseline),
-and wrk through a real ``specgate serve`` process in front of the same upstream; non-streaming and streaming
-(16 events), at each connection count. It reports requests/s, p50 and p99 latency, the latency the gateway
-adds at p50 and p99, and the throughput ratio. wrk (Debian package ``wrk``) generates the load: a C load
+One run measures, one after the other in the same conditions, four targets in front of one static upstream:
+the upstream itself (``direct``), the simplest pass-through proxy with httpx's default transport and with aiohttp
+(``gateway.bench.minimal_proxy``), and a real ``specgate serve`` process (classification, routing, header
+hygiene, metrics, one JSON log line per request); non-streaming and streaming (16 events), at each connection
+count. It reports requests/s, p50 and p99 latency, the latency each adds to ``direct``, and throughput ratios
+against ``direct`` and against the minimal aiohttp proxy. wrk (Debian package ``wrk``) generates the load: a C load
 generator on one thread leaves the most CPU to the processes under test on a small machine.
 """
 
@@ -43,24 +45,20 @@ class WrkResult:
     errors: int
 
 
+TARGETS = ("direct", "minimal-httpx", "minimal-aiohttp", "specgate")
+
+
 @dataclass(frozen=True, slots=True)
 class OverheadRow:
+    """One mode and connection count: wrk's result for each target, measured one after the other."""
+
     mode: str
     connections: int
-    direct: WrkResult
-    gateway: WrkResult
+    results: dict[str, WrkResult]
 
-    @property
-    def added_p50_ms(self) -> float:
-        return (self.gateway.p50_s - self.direct.p50_s) * 1000
-
-    @property
-    def added_p99_ms(self) -> float:
-        return (self.gateway.p99_s - self.direct.p99_s) * 1000
-
-    @property
-    def rps_ratio(self) -> float:
-        return self.gateway.rps / self.direct.rps if self.direct.rps else 0.0
+    def added_ms(self, target: str, pct: str = "p50") -> float:
+        base, r = self.results["direct"], self.results[target]
+        return ((r.p50_s - base.p50_s) if pct == "p50" else (r.p99_s - base.p99_s)) * 1000
 
 
 def _seconds(text: str) -> float:
@@ -131,6 +129,7 @@ def _rules(upstream_url: str) -> dict[str, object]:
 
 
 def bench_overhead(connections: list[int], duration_s: int, *, prompt_chars: int = 2000) -> list[OverheadRow]:
+    """Measure every target at every connection count, non-streaming then streaming."""
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian: apt-get install wrk)")
     rows: list[OverheadRow] = []
@@ -141,48 +140,53 @@ def bench_overhead(connections: list[int], duration_s: int, *, prompt_chars: int
         for mode, stream in (("json", "false"), ("stream", "true")):
             scripts[mode] = d / f"{mode}.lua"
             scripts[mode].write_text(_LUA.format(body=_BODY.format(stream=stream, text=text)))
-        up_port, gw_port = free_port(), free_port()
+        up_port = free_port()
         up_url = f"http://127.0.0.1:{up_port}"
         rules = d / "rules.yaml"
         rules.write_text(yaml.safe_dump(_rules(up_url), sort_keys=False))
-        up_cmd = [sys.executable, "-m", "gateway.bench.static_upstream", "--port", str(up_port)]
-        gw_cmd = [
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--rules",
-            str(rules),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(gw_port),
-            "--health-interval",
-            "5",
-        ]
-        with _process(up_cmd, up_port), _process(gw_cmd, gw_port):
+        ports = {t: free_port() for t in TARGETS if t != "direct"}
+        py = sys.executable
+        commands = {
+            "minimal-httpx": [py, "-m", "gateway.bench.minimal_proxy", "--client", "httpx"],
+            "minimal-aiohttp": [py, "-m", "gateway.bench.minimal_proxy", "--client", "aiohttp"],
+        }
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_process([py, "-m", "gateway.bench.static_upstream", "--port", str(up_port)], up_port))
+            for name, cmd in commands.items():
+                stack.enter_context(_process([*cmd, "--port", str(ports[name]), "--upstream", up_url], ports[name]))
+            gw_cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1",
+                      "--port", str(ports["specgate"])]  # fmt: skip
+            stack.enter_context(_process(gw_cmd, ports["specgate"]))
+            urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             for mode in ("json", "stream"):
                 for c in connections:
-                    # Warm both paths (connection pools, caches) before measuring.
-                    run_wrk(up_url + "/v1/chat/completions", scripts[mode], c, 1)
-                    run_wrk(f"http://127.0.0.1:{gw_port}/v1/chat/completions", scripts[mode], c, 1)
-                    direct = run_wrk(up_url + "/v1/chat/completions", scripts[mode], c, duration_s)
-                    via = run_wrk(f"http://127.0.0.1:{gw_port}/v1/chat/completions", scripts[mode], c, duration_s)
-                    rows.append(OverheadRow(mode, c, direct, via))
+                    results: dict[str, WrkResult] = {}
+                    for target in TARGETS:
+                        url = urls[target] + "/v1/chat/completions"
+                        run_wrk(url, scripts[mode], c, 1)  # warm connection pools and caches
+                        results[target] = run_wrk(url, scripts[mode], c, duration_s)
+                    rows.append(OverheadRow(mode, c, results))
     return rows
 
 
 def render(rows: list[OverheadRow]) -> str:
     head = (
-        f"{'mode':<7}{'conns':>6}{'direct rps':>12}{'gw rps':>10}{'ratio':>7}"
-        f"{'direct p50':>12}{'gw p50':>9}{'added p50':>11}{'direct p99':>12}{'gw p99':>9}{'added p99':>11}{'errors':>8}"
+        f"{'mode':<7}{'conns':>6} {'target':<16}{'req/s':>9}{'vs direct':>10}{'vs minimal':>11}"
+        f"{'p50':>10}{'p99':>10}{'added p50':>11}{'added p99':>11}{'errors':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(
-            f"{r.mode:<7}{r.connections:>6}{r.direct.rps:>12.0f}{r.gateway.rps:>10.0f}{r.rps_ratio:>7.2f}"
-            f"{r.direct.p50_s * 1000:>10.2f}ms{r.gateway.p50_s * 1000:>7.2f}ms{r.added_p50_ms:>9.2f}ms"
-            f"{r.direct.p99_s * 1000:>10.2f}ms{r.gateway.p99_s * 1000:>7.2f}ms{r.added_p99_ms:>9.2f}ms"
-            f"{r.direct.errors + r.gateway.errors:>8}"
-        )
+        base_rps = r.results["direct"].rps
+        minimal_rps = r.results["minimal-aiohttp"].rps
+        for target in TARGETS:
+            w = r.results[target]
+            vs_direct = f"{w.rps / base_rps:.2f}" if base_rps else "-"
+            vs_min = f"{w.rps / minimal_rps:.2f}" if minimal_rps and target != "direct" else ""
+            added50 = f"{r.added_ms(target):.2f}ms" if target != "direct" else ""
+            added99 = f"{r.added_ms(target, 'p99'):.2f}ms" if target != "direct" else ""
+            lines.append(
+                f"{r.mode:<7}{r.connections:>6} {target:<16}{w.rps:>9.0f}{vs_direct:>10}{vs_min:>11}"
+                f"{w.p50_s * 1000:>8.2f}ms{w.p99_s * 1000:>8.2f}ms{added50:>11}{added99:>11}{w.errors:>8}"
+            )
+        lines.append("")
     return "\n".join(lines)
