@@ -13,7 +13,6 @@ is ever re-sent: a stream that breaks ends with an explicit error event and ``[D
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
@@ -26,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.decide import Plan
 from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics, Outcome
 from gateway.openai import (
     JSON_CONTENT_TYPE,
@@ -40,8 +40,6 @@ from gateway.openai import (
 from gateway.pools import EndpointState, PoolState
 from gateway.record import RequestRecord
 from gateway.upstream import RETRYABLE_STATUS, PoolClient, UpstreamResponse
-
-logger = logging.getLogger("specgate.forward")
 
 
 @dataclass(slots=True)
@@ -98,7 +96,7 @@ class ProxyResponse(Response):
         pools: Mapping[str, PoolState],
         clients: Mapping[str, PoolClient],
         metrics: GatewayMetrics,
-        access_log: logging.Logger,
+        access_log: AccessLog,
         rng: random.Random,
     ) -> None:
         self.job = job
@@ -293,15 +291,23 @@ class ProxyResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_events(self, send: Send, events: list[bytes]) -> bool:
-        """Relay events one by one; True once [DONE] went out."""
-        for event in events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        """Relay the whole events of one upstream read, at once and unchanged; True once [DONE] went out.
+
+        Nothing is held back: a partial event stays in the splitter only until its end arrives.
+        """
+        done = False
+        for i, event in enumerate(events):
             if is_done_event(event):
-                return True
+                events = events[: i + 1]
+                done = True
+                break
             if is_error_event(event):
                 self.outcome = "stream_error"
                 self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
-        return False
+        if events:
+            body = events[0] if len(events) == 1 else b"".join(events)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        return done
 
     def _cleanup(self) -> None:
         opened = self._opened

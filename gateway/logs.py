@@ -1,20 +1,23 @@
-"""Logging: one JSON object per line on stderr, for the gateway's own lines and for uvicorn's."""
+"""Logging: one JSON object per line on stderr, for the gateway's own lines and for uvicorn's.
+
+The per-request access lines bypass the ``logging`` module: building a LogRecord and flushing stderr once per
+request cost about 15% of the gateway's throughput. ``AccessLog`` appends the already-serialised line to a
+buffer that a lifespan task writes out every ``flush_interval_s`` (and at shutdown, and when it grows large).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
+from typing import Any, BinaryIO
 
 import orjson
-
-from gateway.record import ACCESS_LOGGER
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        if record.name == ACCESS_LOGGER:  # already a JSON object, built on the hot path once
-            return record.getMessage()
         line: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -37,3 +40,51 @@ def configure_logging(level: str = "info") -> None:
         lg.handlers[:] = []
         lg.propagate = True
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+
+
+class AccessLog:
+    """Buffered JSON lines, one per request, written by a background task."""
+
+    def __init__(
+        self,
+        stream: BinaryIO | None = None,
+        *,
+        enabled: bool = True,
+        flush_interval_s: float = 0.2,
+        max_buffer_bytes: int = 256 * 1024,
+    ) -> None:
+        self._stream = stream if stream is not None else sys.stderr.buffer
+        self.enabled = enabled
+        self._interval = flush_interval_s
+        self._max = max_buffer_bytes
+        self._buf: list[bytes] = []
+        self._size = 0
+
+    def write(self, line: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size >= self._max:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        self._buf.clear()
+        self._size = 0
+        try:
+            self._stream.write(data)
+            self._stream.flush()
+        except (OSError, ValueError):  # stderr closed: drop, never break a request for a log line
+            pass
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self._interval)
+                self.flush()
+        finally:
+            self.flush()

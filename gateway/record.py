@@ -8,15 +8,11 @@ Overhead is the time spent in the gateway itself: from arrival until the first u
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
-import orjson
-
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics, Outcome
-
-ACCESS_LOGGER = "specgate.access"
 
 
 @dataclass(slots=True)
@@ -70,7 +66,7 @@ class RequestRecord:
             return before + max(0.0, end - self.upstream_done)
         return before
 
-    def finish(self, outcome: Outcome, metrics: GatewayMetrics, logger: logging.Logger) -> None:
+    def finish(self, outcome: Outcome, metrics: GatewayMetrics, access_log: AccessLog) -> None:
         if self._finished:
             return
         self._finished = True
@@ -80,7 +76,7 @@ class RequestRecord:
         ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
         overhead = self.overhead_s(end)
         metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
-        if logger.isEnabledFor(logging.INFO):
+        if access_log.enabled:
             line = {
                 "event": "request",
                 "request_id": self.request_id,
@@ -100,4 +96,4 @@ class RequestRecord:
             }
             if self.error:
                 line["error"] = self.error
-            logger.info(orjson.dumps(line).decode())
+            access_log.write(line)

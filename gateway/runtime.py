@@ -20,9 +20,9 @@ from gateway.classify import Classifier
 from gateway.decide import PoolView
 from gateway.errors import Unauthorized
 from gateway.health import HealthChecker
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.pools import PoolState
-from gateway.record import ACCESS_LOGGER
 from gateway.rules.loader import load_rules_text
 from gateway.rules.schema import RoutingRules
 from gateway.settings import Settings
@@ -87,7 +87,7 @@ class Runtime:
         self.settings = settings
         self.live = live
         self.metrics = GatewayMetrics()
-        self.access_log = logging.getLogger(ACCESS_LOGGER)
+        self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
         self.started_at = int(time.time())
         keys = settings.client_api_keys()
@@ -144,6 +144,7 @@ class Runtime:
             self.live.digest,
         )
         self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
+        self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
 
     async def stop(self) -> None:
         for t in self._tasks:

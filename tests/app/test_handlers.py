@@ -84,3 +84,26 @@ async def test_no_routable_endpoint_is_503_with_retry_after(client: httpx.AsyncC
     assert r.headers["retry-after"] == "5"
     assert "no routable endpoint" in r.json()["error"]["message"]
     assert r.headers["x-specgate-class"] == "default"
+
+
+async def test_one_json_log_line_per_request(client: httpx.AsyncClient) -> None:
+    import io
+
+    import orjson
+
+    from gateway.logs import AccessLog
+
+    buf = io.BytesIO()
+    app = client._transport.app  # type: ignore[attr-defined]
+    app.state.runtime.access_log = AccessLog(buf)  # type: ignore[arg-type]
+    await client.post("/v1/chat/completions", content=b"{bad", headers={"x-request-id": "r-1"})
+    await client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    app.state.runtime.access_log.flush()
+    lines = [orjson.loads(line) for line in buf.getvalue().splitlines()]
+    assert len(lines) == 2
+    assert lines[0]["request_id"] == "r-1"
+    assert lines[0]["status"] == 400
+    assert lines[0]["outcome"] == "client_error"
+    assert lines[1]["class"] == "default"
+    assert lines[1]["status"] == 404
+    assert {"duration_ms", "pool", "endpoint", "attempts", "error"} <= set(lines[1])
