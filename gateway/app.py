@@ -125,6 +125,13 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
             raise NoCapacity(f"no pool can take this request now ({skipped})", retry_after_s=5)
     except GatewayError as exc:
         return _error_response(rt, exc, rec, extra)
+    except ClientDisconnect:
+        rec.finish("client_disconnect", rt.metrics, rt.access_log)
+        raise
+    except Exception:
+        rec.status, rec.error = 500, "internal error in the gateway"
+        rec.finish("gateway_error", rt.metrics, rt.access_log)
+        raise
     job = ProxyJob(
         path=path,
         body=raw,

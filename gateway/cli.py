@@ -160,6 +160,16 @@ def demo(
         raise _fail(str(exc)) from exc
 
 
+def _register_sim() -> None:
+    from gateway.sim.server import sim_command
+
+    app.command("sim", help="A simulated vLLM server (speculative-decoding physics, vLLM 0.33 wire format).")(
+        sim_command
+    )
+
+
+_register_sim()
+
 bench_app = typer.Typer(help="Benchmarks that print numbers (run on a quiet machine).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

@@ -1,17 +1,20 @@
 """``specgate demo``: the gateway plus one simulated vLLM server per pool, on this machine, no GPU.
 
-The routing YAML is used as it is, except that every pool's endpoints are replaced by a local simulated
-server serving the pool's models. The simulated servers are child processes, stopped with the gateway.
+The routing YAML is used as it is, except that every pool's endpoints are replaced by a local ``specgate sim``
+server (the 70B preset; speculative pools run with the ``--speculative-config`` their YAML block describes).
+The simulated servers are child processes, stopped with the gateway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,58 @@ import yaml
 
 from gateway.settings import Settings
 
-# Per pool kind, how fast the stand-in generates (seconds per token): the speculative pool is faster at
-# low load, as it would be with a good draft.
-_TOKEN_DELAY = {"speculative": 0.012, "standard": 0.025}
+# Draft models the simulated speculative servers name when the YAML's pool does not (vLLM requires one for
+# these methods; the simulator only uses the name to pick the draft's cost model).
+_DEFAULT_DRAFT = {
+    "draft_model": "meta-llama/Llama-3.2-1B-Instruct",
+    "eagle": "yuhuili/EAGLE-LLaMA3.1-Instruct-70B",
+    "eagle3": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
+    "dflash": "z-lab/Llama-3.3-70B-Instruct-DFlash",
+}
+PRESET = "llama70b-4xh100"
+
+
+@dataclass(frozen=True, slots=True)
+class StandIn:
+    """One local server standing in for a pool: the simulator, or for an embeddings pool the fake vLLM."""
+
+    pool: str
+    port: int
+    cmd: list[str]
+
+
+def spec_config_json(pool: dict[str, Any]) -> str | None:
+    """The ``--speculative-config`` JSON a vLLM server of this pool would run with."""
+    spec = pool.get("speculative")
+    if pool.get("kind") != "speculative" or not isinstance(spec, dict):
+        return None
+    method = spec.get("method", "eagle3")
+    cfg: dict[str, Any] = {"method": method, "num_speculative_tokens": spec.get("num_speculative_tokens", 4)}
+    model = spec.get("draft_model") or _DEFAULT_DRAFT.get(method)
+    if model:
+        cfg["model"] = model
+    return json.dumps(cfg)
+
+
+def plan_stand_ins(rules: dict[str, Any], ports: dict[str, int], *, time_scale: float = 1.0) -> list[StandIn]:
+    py = sys.executable
+    out: list[StandIn] = []
+    for pool in rules.get("pools", []):
+        name, port, models = pool["name"], ports[pool["name"]], list(pool["models"])
+        if name == rules.get("embeddings_pool"):
+            cmd = [py, "-m", "gateway.testing.fake_upstream", "--port", str(port), "--name", name, "--embeddings"]
+            for m in models:
+                cmd += ["--model", m]
+        else:
+            cmd = [py, "-m", "gateway", "sim", models[0], "--port", str(port), "--preset", PRESET]
+            cmd += ["--time-scale", str(time_scale)]
+            for m in models:
+                cmd += ["--served-model-name", m]
+            spec = spec_config_json(pool)
+            if spec is not None:
+                cmd += ["--speculative-config", spec, "--per-request-spec-decode-metrics", "summary"]
+        out.append(StandIn(name, port, cmd))
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,14 +92,6 @@ def wait_for_port(port: int, timeout_s: float = 15.0, host: str = "127.0.0.1") -
     raise RuntimeError(f"nothing listening on {host}:{port} after {timeout_s:g}s")
 
 
-def start_upstream(name: str, models: list[str], token_delay_s: float, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "gateway.testing.fake_upstream", "--port", str(port), "--name", name]
-    for m in models:
-        cmd += ["--model", m]
-    cmd += ["--token-delay", str(token_delay_s)]
-    return subprocess.Popen(cmd)
-
-
 def demo_rules(rules: dict[str, Any], ports: dict[str, int]) -> dict[str, Any]:
     """The same rules, with each pool's endpoints replaced by its local simulated server."""
     out = dict(rules)
@@ -61,31 +105,47 @@ def demo_rules(rules: dict[str, Any], ports: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def run_demo(rules_path: Path, port: int) -> None:
+def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
     from gateway.cli import run_server
 
     if not rules_path.exists():
         raise RuntimeError(f"{rules_path} not found (run from the repository root, or pass --rules)")
     rules = yaml.safe_load(rules_path.read_text())
     ports = {p["name"]: free_port() for p in rules["pools"]}
-    procs = [
-        start_upstream(p["name"], list(p["models"]), _TOKEN_DELAY.get(p.get("kind", ""), 0.02), ports[p["name"]])
-        for p in rules["pools"]
-    ]
-    try:
-        for p in ports.values():
-            wait_for_port(p)
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="specgate-demo-", delete=False) as f:
-            yaml.safe_dump(demo_rules(rules, ports), f, sort_keys=False)
-        print(
-            f"specgate demo: gateway on http://127.0.0.1:{port}/v1, simulated pools "
-            + ", ".join(f"{n} on :{p}" for n, p in ports.items()),
-            flush=True,
-        )
-        run_server(Settings(rules=Path(f.name), host="127.0.0.1", port=port, health_interval_s=2.0))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+    stand_ins = plan_stand_ins(rules, ports, time_scale=time_scale)
+    procs = [subprocess.Popen(s.cmd) for s in stand_ins]
+    with tempfile.TemporaryDirectory(prefix="specgate-demo-") as tmp:
+        try:
+            for s in stand_ins:
+                wait_for_port(s.port)
+            path = Path(tmp) / "rules.yaml"
+            path.write_text(yaml.safe_dump(demo_rules(rules, ports), sort_keys=False))
+            print(_banner(rules, ports, port), flush=True)
+            run_server(Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0))
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+
+
+def _banner(rules: dict[str, Any], ports: dict[str, int], port: int) -> str:
+    model = rules["pools"][0]["models"][0]
+    pools = ", ".join(f"{p['name']} ({p.get('kind')}) on :{ports[p['name']]}" for p in rules["pools"])
+    return f"""
+specgate demo — gateway on http://127.0.0.1:{port}/v1
+simulated vLLM servers ({PRESET}): {pools}
+
+  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "temperature": 0.2, "max_tokens": 256,
+         "messages": [{{"role": "user", "content": "Write a Python function that reverses a list."}}]}}' -i
+
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="demo")
+  r = client.chat.completions.with_raw_response.create(model="{model}", max_tokens=64,
+        messages=[{{"role": "user", "content": "Tell me a story"}}])
+  print(r.headers["x-specgate-class"], r.headers["x-specgate-pool"], r.parse().choices[0].message.content)
+
+Ctrl-C stops the gateway and the simulated servers.
+"""

@@ -13,6 +13,8 @@ is ever re-sent: a stream that breaks ends with an explicit error event and ``[D
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import random
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +32,7 @@ from gateway.metrics import GatewayMetrics, Outcome
 from gateway.openai import (
     JSON_CONTENT_TYPE,
     SSE_CONTENT_TYPE,
+    SSEOverflow,
     SSESplitter,
     error_bytes,
     is_done_event,
@@ -40,6 +43,8 @@ from gateway.openai import (
 from gateway.pools import EndpointState, PoolState
 from gateway.record import RequestRecord
 from gateway.upstream import RETRYABLE_STATUS, PoolClient, UpstreamResponse
+
+logger = logging.getLogger("specgate.forward")
 
 
 @dataclass(slots=True)
@@ -122,6 +127,18 @@ class ProxyResponse(Response):
             if not self._client_gone:
                 raise
             task.uncancel()
+        except Exception:
+            # A bug, not an upstream failure: say so in the metrics, and never end a stream cleanly on it.
+            self.outcome = "gateway_error"
+            self.job.record.error = "internal error in the gateway"
+            if not self.committed:
+                raise  # the app's exception handler answers 500 with an envelope
+            if not self._last_send:
+                self._last_send = True
+                with contextlib.suppress(Exception):
+                    body = sse_error("internal error in the gateway", type_="internal_error", code="internal_error")
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+            logger.exception("error after the commit point of %s", self.job.record.request_id)
         finally:
             watch.cancel()
             self._cleanup()
@@ -195,47 +212,94 @@ class ProxyResponse(Response):
     async def _attempt(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
     ) -> _Opened:
+        """One attempt up to the commit point: headers, and for a stream its first whole event.
+
+        Streams must show their first event within the pool's ``first_byte_s`` (vLLM answers 200 at once and
+        then nothing until the first token); a non-streaming answer arrives whole when generation is done, so
+        only ``total_s`` bounds it.
+        """
+        if not self.job.stream:
+            return await self._attempt_buffered(pool, ep, client, headers)
+        try:
+            async with asyncio.timeout(client.first_byte_s):
+                return await self._attempt_stream(pool, ep, client, headers)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no first event from {ep.id} within {client.first_byte_s:g}s") from exc
+
+    async def _attempt_buffered(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
         job, rec = self.job, self.job.record
         resp = await client.post(ep, job.path, job.body, headers)
         try:
-            if resp.status in RETRYABLE_STATUS:
-                body = await resp.read()
-                raise UpstreamError(f"HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
-            if resp.status != 200 or not job.stream or not resp.is_event_stream:
+            self._check_status(pool, resp)
+            body = await resp.read()
+            rec.upstream_first = rec.upstream_done = time.perf_counter()
+            resp.release()
+            return _Opened(pool, ep, resp, None, None, body)
+        except BaseException:
+            resp.abort()
+            raise
+
+    async def _attempt_stream(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
+        job, rec = self.job, self.job.record
+        resp = await client.post(ep, job.path, job.body, headers)
+        try:
+            self._check_status(pool, resp)
+            if resp.status != 200:  # an error answer: relayed whole, with its status
                 body = await resp.read()
                 rec.upstream_first = rec.upstream_done = time.perf_counter()
                 resp.release()
                 return _Opened(pool, ep, resp, None, None, body)
+            if not resp.is_event_stream:
+                body = await resp.read()
+                raise UpstreamError(f"a stream was asked for, the pool answered {resp.content_type!r}: {body[:100]!r}")
             splitter = SSESplitter()
             async for chunk in resp.chunks():
-                events = splitter.feed(chunk)
+                try:
+                    events = splitter.feed(chunk)
+                except SSEOverflow as exc:
+                    raise UpstreamError(str(exc)) from exc
                 if not events:
                     continue
                 if is_error_event(events[0]):
                     raise UpstreamError(f"error event before the first token: {events[0][:200]!r}")
                 rec.upstream_first = time.perf_counter()
-                # Events that arrived in the same read are relayed in order, one by one.
                 return _Opened(pool, ep, resp, events, splitter, None)
             raise UpstreamError("upstream closed the stream before the first event")
         except BaseException:
             resp.abort()
             raise
 
+    @staticmethod
+    def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
+        """Statuses that another pool may answer better are attempt failures, not answers."""
+        if resp.status in RETRYABLE_STATUS:
+            raise UpstreamError(f"HTTP {resp.status}")
+        if resp.status in (401, 403):
+            # The client's key never reaches a pool: this is the gateway's pool key being refused.
+            logger.error(
+                "pool %s refused the gateway's credentials (HTTP %d): check api_key_env", pool.name, resp.status
+            )
+            raise UpstreamError(f"pool {pool.name} refused the gateway's credentials (HTTP {resp.status})")
+
     # --- sending --------------------------------------------------------------------------------------
 
     def _response_headers(
-        self, content_type: str, upstream: list[tuple[str, str]] | None = None
+        self, content_type: str, upstream: list[tuple[bytes, bytes]] | None = None
     ) -> list[tuple[bytes, bytes]]:
-        pairs = list(upstream or [])
-        pairs = [(k, v) for k, v in pairs if k != "content-type"]
-        pairs.append(("content-type", content_type))
-        pairs.extend(self.job.extra_headers)
+        """Upstream headers as raw bytes (never decoded and re-encoded), then ours."""
+        out = [(k, v) for k, v in (upstream or []) if k != b"content-type"]
+        pairs = [("content-type", content_type), *self.job.extra_headers]
         opened = self._opened
         if opened is not None:
             pairs.append(("x-specgate-pool", opened.pool.name))
             pairs.append(("x-specgate-endpoint", opened.endpoint.id))
         pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
-        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+        out.extend((k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs)
+        return out
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         body = error_bytes(exc)
@@ -250,13 +314,13 @@ class ProxyResponse(Response):
     async def _send_buffered(self, send: Send, opened: _Opened) -> None:
         resp, rec = opened.response, self.job.record
         body = opened.buffered_body or b""
-        ctype = resp.raw.headers.get("content-type", JSON_CONTENT_TYPE)
+        ctype = resp.raw.headers.get("content-type", JSON_CONTENT_TYPE).encode("latin-1", "replace").decode("latin-1")
         if resp.status >= 400:
             body = normalise_error(resp.status, body)
             ctype = JSON_CONTENT_TYPE
             self.outcome = "client_error" if resp.status < 500 else "upstream_error"
         rec.status = resp.status
-        headers = self._response_headers(ctype, client_response_headers(resp.headers))
+        headers = self._response_headers(ctype, client_response_headers(resp.raw.raw_headers))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
@@ -268,7 +332,7 @@ class ProxyResponse(Response):
         assert opened.first_events is not None
         assert opened.splitter is not None
         rec.status = resp.status
-        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.headers))
+        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw.raw_headers))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
         done = await self._send_events(send, opened.first_events)
@@ -281,14 +345,16 @@ class ProxyResponse(Response):
                         break
         except UpstreamError as exc:
             rec.error = exc.message
-        if done:
-            resp.release()
-        else:
+        except SSEOverflow as exc:
+            rec.error = str(exc)
+        if not done:
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"
             await send({"type": "http.response.body", "body": sse_error(rec.error), "more_body": True})
         self._last_send = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if done:
+            await resp.finish(timeout_s=1.0)  # read the body's end, so the connection can be reused
 
     async def _send_events(self, send: Send, events: list[bytes]) -> bool:
         """Relay the whole events of one upstream read, at once and unchanged; True once [DONE] went out.

@@ -28,7 +28,8 @@ HOP_BY_HOP = frozenset(
 # Set again by the HTTP client or server on each leg, or meaningless across it.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "x-request-id"}
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_RESPONSE_DROP_B = frozenset(h.encode() for h in _RESPONSE_DROP)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 def _connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
@@ -41,7 +42,7 @@ def _connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
 
 def request_id(incoming: str | None) -> str:
     """The client's X-Request-Id when it is sane, else a new one."""
-    if incoming and _REQUEST_ID_RE.match(incoming):
+    if incoming and _REQUEST_ID_RE.fullmatch(incoming):
         return incoming
     return uuid.uuid4().hex
 
@@ -60,13 +61,22 @@ def upstream_request_headers(
         out[lk] = v
     out["x-request-id"] = request_id
     out["content-type"] = "application/json"
+    out["accept-encoding"] = "identity"
     if api_key:
         out["authorization"] = f"Bearer {api_key}"
     return out
 
 
-def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Headers from a pool's response worth passing to the client (lower-case names)."""
-    items = list(upstream_headers)
-    drop = _RESPONSE_DROP | _connection_named(items)
-    return [(k.lower(), v) for k, v in items if k.lower() not in drop and not k.lower().startswith("x-specgate-")]
+def client_response_headers(upstream_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Headers from a pool's response worth passing to the client: raw bytes, lower-case names.
+
+    Values are never decoded: HTTP allows obs-text bytes that are neither UTF-8 nor ours to judge.
+    """
+    items = [(k.lower(), v) for k, v in upstream_headers]
+    drop = _RESPONSE_DROP_B | {
+        t.strip().lower().encode("latin-1")
+        for k, v in items
+        if k == b"connection"
+        for t in v.decode("latin-1").split(",")
+    }
+    return [(k, v) for k, v in items if k not in drop and not k.startswith(b"x-specgate-")]

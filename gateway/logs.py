@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import sys
 import time
 from typing import Any, BinaryIO
@@ -42,6 +43,9 @@ def configure_logging(level: str = "info") -> None:
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
+_PIPE_BUF = select.PIPE_BUF
+
+
 class AccessLog:
     """Buffered JSON lines, one per request, written by a background task."""
 
@@ -53,7 +57,10 @@ class AccessLog:
         flush_interval_s: float = 0.2,
         max_buffer_bytes: int = 256 * 1024,
     ) -> None:
-        self._stream = stream if stream is not None else sys.stderr.buffer
+        if stream is None:  # unbuffered, so that each batch is one write(2)
+            buffered = sys.stderr.buffer
+            stream = getattr(buffered, "raw", buffered)
+        self._stream = stream
         self.enabled = enabled
         self._interval = flush_interval_s
         self._max = max_buffer_bytes
@@ -70,13 +77,21 @@ class AccessLog:
             self.flush()
 
     def flush(self) -> None:
+        """Write whole lines in writes of at most PIPE_BUF bytes: atomic on a pipe shared by several workers."""
         if not self._buf:
             return
-        data = b"".join(self._buf)
-        self._buf.clear()
-        self._size = 0
+        lines, self._buf, self._size = self._buf, [], 0
+        batch: list[bytes] = []
+        size = 0
         try:
-            self._stream.write(data)
+            for line in lines:
+                if batch and size + len(line) > _PIPE_BUF:
+                    self._stream.write(b"".join(batch))
+                    batch, size = [], 0
+                batch.append(line)
+                size += len(line)
+            if batch:
+                self._stream.write(b"".join(batch))
             self._stream.flush()
         except (OSError, ValueError):  # stderr closed: drop, never break a request for a log line
             pass

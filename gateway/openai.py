@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -76,35 +77,48 @@ def normalise_error(status: int, body: bytes) -> bytes:
     return orjson.dumps(envelope(message, default_type, code=str(status)))
 
 
+class SSEOverflow(ValueError):
+    """An upstream event grew past the splitter's limit without ending."""
+
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
 class SSESplitter:
     """Splits an upstream byte stream into whole SSE events (each with its blank-line terminator).
 
-    Events are passed on exactly as the upstream framed them: never merged, never re-chunked.
+    Events are passed on exactly as the upstream framed them: never merged, never re-chunked. Linear in the bytes
+    received: each byte is scanned about once, and a long pending event is never copied per read.
     """
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_max", "_scanned")
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, max_pending_bytes: int = 16 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for an event end
+        self._max = max_pending_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk if self._buf else chunk
+        buf = self._buf
+        buf += chunk
         events: list[bytes] = []
         start = 0
-        while True:
-            i = buf.find(b"\n\n", start)
-            j = buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
-            end = j + 4 if j >= 0 and (i < 0 or j < i) else i + 2
-            events.append(buf[start:end])
+        for m in _EVENT_END.finditer(buf, max(0, self._scanned - 3)):
+            end = m.end()
+            if m.start() < start:  # overlaps the previous match's end
+                continue
+            events.append(bytes(buf[start:end]))
             start = end
-        self._buf = buf[start:]
+        if start:
+            del buf[:start]
+        self._scanned = len(buf)
+        if len(buf) > self._max:
+            raise SSEOverflow(f"an upstream event exceeds {self._max} bytes without ending")
         return events
 
     @property
     def pending(self) -> bytes:
-        return self._buf
+        return bytes(self._buf)
 
 
 def is_done_event(event: bytes) -> bool:

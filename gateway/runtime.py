@@ -46,13 +46,16 @@ class LiveConfig:
     @classmethod
     def build(cls, rules: RoutingRules, source: str, text: str, previous: LiveConfig | None = None) -> LiveConfig:
         pools = {p.name: PoolState.from_spec(p) for p in rules.pools}
-        if previous is not None:  # keep what was learnt about endpoints that still exist
-            old = {(e.pool, e.id): e for p in previous.pools.values() for e in p.endpoints}
+        if previous is not None:
+            # An endpoint that still exists keeps its state object: requests in flight on it decrement the same
+            # counters after the swap, and what health checks learnt stays.
+            old = {(e.pool, e.id, e.url): e for p in previous.pools.values() for e in p.endpoints}
             for pool in pools.values():
-                for ep in pool.endpoints:
-                    prev = old.get((ep.pool, ep.id))
-                    if prev is not None and prev.url == ep.url:
-                        ep.healthy, ep.in_flight = prev.healthy, prev.in_flight
+                for i, ep in enumerate(pool.endpoints):
+                    prev = old.get((ep.pool, ep.id, ep.url))
+                    if prev is not None:
+                        prev.weight = ep.weight
+                        pool.endpoints[i] = prev
         models = tuple(dict.fromkeys(m for p in rules.pools for m in p.models))
         return cls(
             rules=rules,
@@ -73,7 +76,7 @@ class LiveConfig:
                 kind=p.spec.kind,
                 models=p.models,
                 routable_endpoints=sum(1 for e in p.endpoints if e.routable),
-                in_flight=p.in_flight,
+                in_flight=sum(e.in_flight for e in p.endpoints if e.routable),
             )
             for name, p in self.pools.items()
         }

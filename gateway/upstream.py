@@ -29,7 +29,6 @@ class UpstreamResponse:
     """An upstream response whose headers have arrived; the body is still to be read or relayed."""
 
     status: int
-    headers: list[tuple[str, str]]
     raw: aiohttp.ClientResponse
 
     @property
@@ -55,6 +54,20 @@ class UpstreamResponse:
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
 
+    @property
+    def content_type(self) -> str:
+        return self.raw.headers.get("content-type", "")
+
+    async def finish(self, timeout_s: float) -> None:
+        """After [DONE]: read what is left of the body (the chunked terminator), then give the connection back.
+        If it does not come in time, close the connection instead."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.raw.read()
+            self.raw.release()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            self.raw.close()
+
     def abort(self) -> None:
         """Close the connection: vLLM aborts the generation when its client goes away."""
         self.raw.close()
@@ -77,8 +90,9 @@ class PoolClient:
         self.spec = spec
         self.api_key = env.get(spec.api_key_env) if spec.api_key_env else None
         t = spec.timeouts
-        self._timeout = aiohttp.ClientTimeout(total=t.total_s, sock_connect=t.connect_s, connect=None)
-        self._first_byte_s = t.first_byte_s
+        # connect: waiting for a free pooled connection plus the TCP connect; sock_connect: the TCP connect.
+        self._timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.first_byte_s, sock_connect=t.connect_s)
+        self.first_byte_s = t.first_byte_s
         self._session: aiohttp.ClientSession | None = None
 
     def _ensure_session(self) -> aiohttp.ClientSession:
@@ -88,31 +102,31 @@ class PoolClient:
                 limit_per_host=self.spec.max_connections,
                 ttl_dns_cache=30,
                 enable_cleanup_closed=True,
+                keepalive_timeout=4,  # below uvicorn's (vLLM's) 5 s, so we never reuse a connection it is closing
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=self._timeout,
-                auto_decompress=False,
+                auto_decompress=True,  # we ask for identity; a pool that compresses anyway is decoded here
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
                 read_bufsize=CHUNK_LIMIT,
             )
         return self._session
 
     async def post(self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send a request and wait for the response headers (the first-byte deadline applies)."""
+        """Send a request and wait for the response headers (bounded by the pool's total timeout)."""
         session = self._ensure_session()
         try:
-            async with asyncio.timeout(self._first_byte_s):
-                raw = await session.post(ep.url + path, data=body, headers=headers, allow_redirects=False)
-        except aiohttp.ServerTimeoutError as exc:
+            raw = await session.post(ep.url + path, data=body, headers=headers, allow_redirects=False)
+        except aiohttp.ConnectionTimeoutError as exc:
             raise UpstreamUnreachable(f"connect timeout to {ep.id}: {_describe(exc)}") from exc
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"no response from {ep.id} within {self._first_byte_s:g}s") from exc
+            raise UpstreamTimeout(f"no response from {ep.id} within the total timeout") from exc
         except (aiohttp.ClientConnectorError, aiohttp.ClientConnectorDNSError) as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {_describe(exc)}") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamConnectError(f"{ep.id} failed before the response: {_describe(exc)}") from exc
-        return UpstreamResponse(raw.status, list(raw.headers.items()), raw)
+        return UpstreamResponse(raw.status, raw)
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -52,7 +52,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Literal
 
@@ -64,6 +63,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
+
+from gateway.sim.wire import SSE_DONE, VLLM_VERSION, model_list, sse_error, stream_usage, usage
+from gateway.sim.wire import error_body as _error_body
+from gateway.sim.wire import sse_event as _sse
 
 __all__ = [
     "BEHAVIOR_HEADER",
@@ -80,21 +83,12 @@ __all__ = [
 ]
 
 BEHAVIOR_HEADER = "x-fake-behavior"
-VLLM_VERSION = "0.33.0"
 MAX_MODEL_LEN = 8192
 NUM_SPEC_TOKENS = 4  # K of the pretend speculative config, for the per-request ``metrics`` field
 EMBEDDING_DIM = 8
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 _TRANSPORT_KEY = "fake_upstream.transport"
-_SSE_DONE = b"data: [DONE]\n\n"
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    503: "Service Unavailable",
-}
 
 Outcome = Literal["completed", "aborted", "broken", "error"]
 Kind = Literal["chat", "completion", "embedding"]
@@ -393,18 +387,8 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-def _error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> dict[str, Any]:
-    if type_ is None:
-        type_ = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
 def _error(status: int, message: str, type_: str | None = None, param: str | None = None) -> Response:
     return _json(_error_body(status, message, type_, param), status)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class _InjectedBreak(Exception):
@@ -586,18 +570,17 @@ class _Generation(Response):
                 usage_chunk["metrics"] = {"speculative_decoding": spec_decode_metrics(job.tokens)}
             await emit(_sse(usage_chunk))
         self._settle("completed")
-        await send({"type": "http.response.body", "body": _SSE_DONE, "more_body": False})
+        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
 
     async def _stream_error(self, send: Send) -> None:
         self._settle("error")
         error = _error_body(500, "Injected failure during generation (X-Fake-Behavior).")
-        await send({"type": "http.response.body", "body": _sse(error) + _SSE_DONE, "more_body": False})
+        await send({"type": "http.response.body", "body": sse_error(error), "more_body": False})
 
     # -- shapes -----------------------------------------------------------------------------------------------
 
     def _usage(self) -> dict[str, Any]:
-        p, c = self._job.prompt_tokens, self._generated
-        return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": None}
+        return stream_usage(self._job.prompt_tokens, self._generated)
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self._job.kind == "chat" else "text_completion"
@@ -638,12 +621,7 @@ class _Generation(Response):
                     {"index": i, "object": "embedding", "embedding": _embedding(text)}
                     for i, text in enumerate(job.inputs)
                 ],
-                "usage": {
-                    "prompt_tokens": job.prompt_tokens,
-                    "total_tokens": job.prompt_tokens,
-                    "completion_tokens": 0,
-                    "prompt_tokens_details": None,
-                },
+                "usage": usage(job.prompt_tokens, 0),
             }
         text = "".join(_token(i) for i in range(1, job.tokens + 1))
         common = {"logprobs": None, "finish_reason": job.finish_reason, "stop_reason": None}
@@ -666,7 +644,7 @@ class _Generation(Response):
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": config.fingerprint,
-            "usage": self._usage(),
+            "usage": usage(job.prompt_tokens, self._generated),
             "prompt_logprobs": None,
             "kv_transfer_params": None,
         }
@@ -875,35 +853,7 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
         return await admit(request, "embedding")
 
     async def models(request: Request) -> Response:
-        data = [
-            {
-                "id": m,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "vllm",
-                "root": m,
-                "parent": None,
-                "max_model_len": MAX_MODEL_LEN,
-                "permission": [
-                    {
-                        "id": f"modelperm-{hashlib.sha256(m.encode()).hexdigest()[:32]}",
-                        "object": "model_permission",
-                        "created": state.created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-            for m in config.models
-        ]
-        return _json({"object": "list", "data": data})
+        return _json(model_list(config.models, created=state.created, max_model_len=MAX_MODEL_LEN))
 
     async def health(request: Request) -> Response:
         return Response(b"", status_code=state.health_status)

@@ -76,5 +76,10 @@ def test_response_headers_drop_hop_by_hop_and_framing() -> None:
         ("X-Request-Id", "upstream-id"),
         ("X-Vllm-Thing", "kept"),
     ]
-    out = dict(client_response_headers(upstream))
-    assert out == {"content-type": "application/json", "x-vllm-thing": "kept"}
+    out = dict(client_response_headers([(k.encode(), v.encode()) for k, v in upstream]))
+    assert out == {b"content-type": b"application/json", b"x-vllm-thing": b"kept"}
+
+
+def test_response_header_values_are_never_decoded() -> None:
+    out = client_response_headers([(b"X-Odd", b"caf\xe9"), (b"Content-Type", b"application/json")])
+    assert (b"x-odd", b"caf\xe9") in out

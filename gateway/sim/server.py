@@ -1,0 +1,505 @@
+"""Running a simulated ``vllm serve``: ``SimServer`` (uvicorn on a socket it owns, in this thread or a background
+one), ``run_sim`` (blocking, uvloop + httptools, one process) and ``sim_command``, the ``specgate sim`` command
+whose flags mirror ``vllm serve`` wherever vLLM has the flag.
+
+Refusing connections: ``SimServer`` is the app's ``ListenerControl``. To refuse it closes uvicorn's listening
+servers (the socket goes with them, so a connect gets ECONNREFUSED) and asks every open connection to shut down
+the way uvicorn does at exit (idle keep-alive connections close, in-flight responses finish first). To listen
+again it binds a fresh socket to the same address and hands it to ``loop.create_server`` with the protocol
+uvicorn itself builds (same config, server state and lifespan state), so new connections are served as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+from typing import Annotated, Any
+
+import typer
+import uvicorn
+
+from gateway.sim.app import SimOptions, SimState, create_sim_app, sim_state
+from gateway.sim.faults import Faults, parse_metrics_mode
+from gateway.sim.physics import AcceptanceModel, SpecConfig, get_preset, preset_names
+from gateway.sim.wire import OutputLengths
+
+__all__ = ["PHYSICS_KEYS", "SimServer", "acceptance_model", "physics_options", "run_sim", "sim_command"]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class SimServer:
+    """One simulated vLLM server on a real socket::
+
+    with SimServer(SimOptions(port=0, time_scale=0.05)) as sim:   # a background thread
+        ... sim.url ...
+
+    ``run()`` serves in the calling thread until interrupted; ``await serve()`` in a running loop.
+    """
+
+    def __init__(self, options: SimOptions, *, loop: str = "auto", http: str = "auto") -> None:
+        self.options = options
+        self.app = create_sim_app(options)
+        self.state: SimState = sim_state(self.app)
+        self.state.faults.listener = self
+        self.host = options.host
+        self._sock = _bind(options.host, options.port)
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            loop=loop,
+            http=http,
+            lifespan="on",
+            log_level=options.log_level,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=1,  # hung requests must not hold up Ctrl-C
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def started(self) -> bool:
+        return bool(self._server.started)
+
+    async def serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        initial = asyncio.create_task(self._apply_initial_faults())
+        try:
+            await self._server.serve(sockets=[self._sock])
+        finally:
+            initial.cancel()
+
+    async def _apply_initial_faults(self) -> None:
+        while not self._server.started:  # noqa: ASYNC110 - uvicorn's `started` is a plain flag, no event
+            await asyncio.sleep(0.005)
+        await self.state.faults.apply(self.state.faults.faults)  # refuse_connections given as a flag
+
+    def run(self) -> None:
+        """Serve in this thread until interrupted (Ctrl-C) or ``stop()``."""
+        with asyncio.Runner(loop_factory=self._server.config.get_loop_factory()) as runner:
+            runner.run(self.serve())
+
+    async def set_listening(self, listening: bool) -> None:
+        """Stop listening (connections are refused) or listen again on the same address. Runs in the server's
+        loop (the app calls it)."""
+        server = self._server
+        if not listening:
+            for srv in server.servers:
+                srv.close()
+            server.servers = []
+            for connection in list(server.server_state.connections):
+                connection.shutdown()  # idle keep-alive connections close; in-flight ones after their response
+            return
+        if server.servers:
+            return
+        config, server_state, app_state = server.config, server.server_state, server.lifespan.state
+
+        def protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=server_state, app_state=app_state
+            )
+
+        sock = _bind(self.host, self.port)
+        srv = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=config.backlog)
+        server.servers.append(srv)
+
+    def update_faults(self, patch: dict[str, Any], timeout_s: float = 5.0) -> Faults:
+        """Merge ``patch`` into the faults in force, from any thread (the in-process twin of ``PUT /sim/faults``,
+        which cannot be reached while the server refuses connections). Raises ValueError on a bad patch."""
+        faults = self.state.faults.faults.merged(patch)
+        loop = self._loop
+        if loop is None or not self.started:
+            raise RuntimeError("the simulator is not running")
+        future = asyncio.run_coroutine_threadsafe(self.state.faults.apply(faults), loop)
+        return future.result(timeout_s)
+
+    # -- background thread (tests, the demo) ------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> SimServer:
+        self._thread = threading.Thread(target=self.run, name=f"sim-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"simulator on port {self.port} did not start")
+            time.sleep(0.005)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop: in-flight requests get a second to finish, then are cancelled; the engine stops."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._sock.close()
+
+    def __enter__(self) -> SimServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def run_sim(options: SimOptions) -> None:
+    """Serve one simulated vLLM server until interrupted (blocking; uvloop and httptools, one process)."""
+    SimServer(options, loop="uvloop", http="httptools").run()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# specgate sim
+
+
+def _pairs(values: list[str] | None, flag: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=flag)
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not a number", param_hint=flag) from None
+    return out
+
+
+def _points(text: str | None) -> tuple[tuple[float, float], ...] | None:
+    if text is None:
+        return None
+    try:
+        pts = tuple((float(t), float(a)) for t, _, a in (p.partition(":") for p in text.split(",") if p.strip()))
+    except ValueError:
+        raise typer.BadParameter("expected T:A,T:A,… e.g. 0:0.81,0.4:0.71", param_hint="--acceptance-points") from None
+    if len(pts) < 2 or [t for t, _ in pts] != sorted({t for t, _ in pts}):
+        raise typer.BadParameter(
+            "need two or more points with increasing temperatures", param_hint="--acceptance-points"
+        )
+    return pts
+
+
+_TARGET_KEYS = ("delta_s", "gamma_s", "gamma_prefill_s", "alpha_s", "epsilon_s")
+_DRAFT_KEYS = ("draft_delta_s", "draft_gamma_s", "draft_alpha_s", "draft_gamma_prefill_s")
+PHYSICS_KEYS = (*_TARGET_KEYS, *_DRAFT_KEYS, "kv_cache_tokens")
+
+
+def physics_options(preset: str, speculative_config: str | None, overrides: Mapping[str, float]) -> dict[str, Any]:
+    """``SimOptions`` fields for physics constants overridden by name: the target's (``delta_s`` …), the
+    proposer's of the configured method (``draft_delta_s`` …), ``kv_cache_tokens``. Raises ValueError."""
+    unknown = sorted(set(overrides) - set(PHYSICS_KEYS))
+    if unknown:
+        raise ValueError(f"unknown physics constant(s): {', '.join(unknown)} (known: {', '.join(PHYSICS_KEYS)})")
+    base = get_preset(preset)
+    target: dict[str, Any] = {k: float(v) for k, v in overrides.items() if k in _TARGET_KEYS}
+    draft: dict[str, Any] = {k.removeprefix("draft_"): float(v) for k, v in overrides.items() if k in _DRAFT_KEYS}
+    out: dict[str, Any] = {}
+    if target:
+        out["target"] = dataclasses.replace(base.target, **target)
+    if draft:
+        if speculative_config is None:
+            raise ValueError("proposer constants (draft_*) need --speculative-config")
+        method = SpecConfig.from_json(speculative_config).method
+        out["draft"] = dataclasses.replace(base.draft_for(method), **draft)
+    if "kv_cache_tokens" in overrides:
+        out["kv_cache_tokens"] = int(overrides["kv_cache_tokens"])
+    return out
+
+
+def acceptance_model(overrides: Mapping[str, Any]) -> AcceptanceModel:
+    """``AcceptanceModel`` with fields replaced; ``task_factors`` ({family: {task: x}}) and ``method_factors`` are
+    merged into the defaults. Raises ValueError on an unknown field."""
+    base = AcceptanceModel()
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(base)})
+    if unknown:
+        raise ValueError(f"unknown acceptance field(s): {', '.join(unknown)}")
+    changes = dict(overrides)
+    if "task_factors" in changes:
+        merged = {family: dict(tasks) for family, tasks in base.task_factors.items()}
+        for family, tasks in changes["task_factors"].items():
+            merged.setdefault(family, {}).update(tasks)
+        changes["task_factors"] = MappingProxyType({f: MappingProxyType(t) for f, t in merged.items()})
+    if "method_factors" in changes:
+        changes["method_factors"] = MappingProxyType({**base.method_factors, **changes["method_factors"]})
+    return dataclasses.replace(base, **changes)
+
+
+def _acceptance_overrides(
+    points: str | None,
+    floor: float | None,
+    concentration: float | None,
+    task_factors: list[str] | None,
+    method_factors: list[str] | None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if (pts := _points(points)) is not None:
+        out["temperature_points"] = pts
+    if floor is not None:
+        out["floor"] = floor
+    if concentration is not None:
+        out["concentration"] = concentration
+    nested: dict[str, dict[str, float]] = {}
+    for key, value in _pairs(task_factors, "--task-factor").items():
+        family, dot, task = key.partition(".")
+        if not dot or family not in ("lookup", "model"):
+            raise typer.BadParameter("expected lookup.TASK=X or model.TASK=X", param_hint="--task-factor")
+        nested.setdefault(family, {})[task] = value
+    if nested:
+        out["task_factors"] = nested
+    if method_factors:
+        out["method_factors"] = _pairs(method_factors, "--method-factor")
+    return out
+
+
+_PHYSICS = "Physics (override the preset)"
+_ACCEPT = "Acceptance"
+_LENGTH = "Output length"
+_FAULTS = "Fault injection (also at runtime: PUT /sim/faults)"
+_SIM = "Simulator"
+
+
+def sim_command(
+    model: Annotated[
+        str, typer.Argument(help="Model name, as `vllm serve <model>` (served name unless --served-model-name).")
+    ] = "meta-llama/Llama-3.3-70B-Instruct",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 = any free port).")] = 8000,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="Name(s) the model is served under (repeatable); the first labels /metrics."),
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the preset's).")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Largest running batch (default: the preset's).")] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Token budget of one engine step (default: the preset's).")
+    ] = None,
+    max_num_queued_reqs: Annotated[
+        int | None, typer.Option(help="Unfinished requests (waiting + running) above which vLLM answers 503.")
+    ] = None,
+    max_num_queued_tokens: Annotated[
+        int | None, typer.Option(help="Prompt tokens still in prefill above which vLLM answers 503.")
+    ] = None,
+    speculative_config: Annotated[
+        str | None,
+        typer.Option(
+            help='Speculative decoding, as vLLM: \'{"method": "eagle3", "num_speculative_tokens": 4}\'. '
+            "None = a standard server."
+        ),
+    ] = None,
+    per_request_spec_decode_metrics: Annotated[
+        str | None,
+        typer.Option(help="summary | detailed: per-request `metrics.speculative_decoding` in responses."),
+    ] = None,
+    api_key: Annotated[
+        list[str] | None, typer.Option(help="Bearer key(s) required on /v1/* (repeatable); a bad key gets 401.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every random draw (acceptance, tokens per step, faults).")] = 0,
+    enable_request_id_headers: Annotated[
+        bool, typer.Option("--enable-request-id-headers", help="Echo X-Request-Id on responses.")
+    ] = False,
+    preset: Annotated[
+        str, typer.Option(help="Modelled deployment: " + " | ".join(preset_names()) + ".", rich_help_panel=_SIM)
+    ] = "llama70b-4xh100",
+    time_scale: Annotated[
+        float, typer.Option(help="Wall seconds per simulated second (0.1 = ten times faster).", rich_help_panel=_SIM)
+    ] = 1.0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.", rich_help_panel=_SIM)] = "warning",
+    delta_s: Annotated[
+        float | None, typer.Option(help="Target δ: fixed seconds per step.", rich_help_panel=_PHYSICS)
+    ] = None,
+    gamma_s: Annotated[
+        float | None, typer.Option(help="Target γ: seconds per batched decode/verify token.", rich_help_panel=_PHYSICS)
+    ] = None,
+    gamma_prefill_s: Annotated[
+        float | None, typer.Option(help="Target seconds per prompt (prefill) token.", rich_help_panel=_PHYSICS)
+    ] = None,
+    alpha_s: Annotated[
+        float | None, typer.Option(help="Target α: seconds per KV-cache token read.", rich_help_panel=_PHYSICS)
+    ] = None,
+    epsilon_s: Annotated[
+        float | None, typer.Option(help="Target ε: CPU overhead per step.", rich_help_panel=_PHYSICS)
+    ] = None,
+    draft_delta_s: Annotated[
+        float | None, typer.Option(help="Proposer fixed seconds per pass.", rich_help_panel=_PHYSICS)
+    ] = None,
+    draft_gamma_s: Annotated[
+        float | None,
+        typer.Option(help="Proposer seconds per sequence (per draft token for heads).", rich_help_panel=_PHYSICS),
+    ] = None,
+    draft_alpha_s: Annotated[
+        float | None, typer.Option(help="Proposer seconds per KV-cache token.", rich_help_panel=_PHYSICS)
+    ] = None,
+    draft_gamma_prefill_s: Annotated[
+        float | None, typer.Option(help="Proposer seconds per prompt token.", rich_help_panel=_PHYSICS)
+    ] = None,
+    kv_cache_tokens: Annotated[
+        int | None, typer.Option(help="KV-cache capacity in tokens.", rich_help_panel=_PHYSICS)
+    ] = None,
+    acceptance: Annotated[
+        float | None,
+        typer.Option(help="Give every request this acceptance (no draw by task/temperature).", rich_help_panel=_ACCEPT),
+    ] = None,
+    acceptance_points: Annotated[
+        str | None,
+        typer.Option(
+            help="Base acceptance by temperature, T:A pairs (default 0:0.81,0.4:0.71,0.8:0.52,1:0.38,1.5:0.2,2:0.1).",
+            rich_help_panel=_ACCEPT,
+        ),
+    ] = None,
+    acceptance_floor: Annotated[
+        float | None, typer.Option(help="Lowest base acceptance at high temperature (0.10).", rich_help_panel=_ACCEPT)
+    ] = None,
+    acceptance_concentration: Annotated[
+        float | None,
+        typer.Option(
+            help="κ of the per-request Beta draw around the mean (12; 0 = every request gets the mean).",
+            rich_help_panel=_ACCEPT,
+        ),
+    ] = None,
+    task_factor: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Acceptance factor per proposer family and task, e.g. lookup.summarization=1.1 (repeatable).",
+            rich_help_panel=_ACCEPT,
+        ),
+    ] = None,
+    method_factor: Annotated[
+        list[str] | None,
+        typer.Option(help="Acceptance factor per method, e.g. eagle=0.95 (repeatable).", rich_help_panel=_ACCEPT),
+    ] = None,
+    output_len_median: Annotated[
+        float, typer.Option(help="Median natural answer length in tokens (lognormal).", rich_help_panel=_LENGTH)
+    ] = 200.0,
+    output_len_sigma: Annotated[
+        float, typer.Option(help="σ of the lognormal (0 = always the median).", rich_help_panel=_LENGTH)
+    ] = 0.6,
+    output_len_min: Annotated[int, typer.Option(help="Shortest natural answer.", rich_help_panel=_LENGTH)] = 1,
+    output_len_max: Annotated[int, typer.Option(help="Longest natural answer.", rich_help_panel=_LENGTH)] = 4096,
+    fault_error_rate: Annotated[
+        float,
+        typer.Option(help="Fraction of requests answered at once with --fault-error-status.", rich_help_panel=_FAULTS),
+    ] = 0.0,
+    fault_error_status: Annotated[int, typer.Option(help="Status of injected errors.", rich_help_panel=_FAULTS)] = 500,
+    fault_hang: Annotated[
+        bool, typer.Option("--fault-hang", help="Never answer (until the client leaves).", rich_help_panel=_FAULTS)
+    ] = False,
+    fault_hang_s: Annotated[
+        float, typer.Option(help="Wall seconds to wait before the first token.", rich_help_panel=_FAULTS)
+    ] = 0.0,
+    fault_hang_rate: Annotated[
+        float, typer.Option(help="Fraction of requests that hang.", rich_help_panel=_FAULTS)
+    ] = 1.0,
+    fault_cut_after: Annotated[
+        int | None,
+        typer.Option(help="Close the connection after N token chunks (no [DONE]).", rich_help_panel=_FAULTS),
+    ] = None,
+    fault_error_after: Annotated[
+        int | None,
+        typer.Option(
+            help="After N token chunks: an error event, then [DONE] (stream) or a 500.", rich_help_panel=_FAULTS
+        ),
+    ] = None,
+    fault_cut_rate: Annotated[float, typer.Option(help="Fraction of requests cut.", rich_help_panel=_FAULTS)] = 1.0,
+    fault_slow_chunk_s: Annotated[
+        float, typer.Option(help="Extra wall seconds before each chunk.", rich_help_panel=_FAULTS)
+    ] = 0.0,
+    fault_refuse_connections: Annotated[
+        bool,
+        typer.Option("--fault-refuse-connections", help="Do not listen (connection refused).", rich_help_panel=_FAULTS),
+    ] = False,
+    fault_refuse_for_s: Annotated[
+        float | None,
+        typer.Option(help="With --fault-refuse-connections: listen after N seconds.", rich_help_panel=_FAULTS),
+    ] = None,
+    fault_metrics: Annotated[
+        str,
+        typer.Option(help="/metrics: ok | malformed (unparsable) | missing (404).", rich_help_panel=_FAULTS),
+    ] = "ok",
+    fault_health_status: Annotated[int, typer.Option(help="Status of GET /health.", rich_help_panel=_FAULTS)] = 200,
+) -> None:
+    """A simulated `vllm serve` (vLLM 0.33 wire format, speculative-decoding physics, fault injection; no GPU)."""
+    physics = {
+        key: value
+        for key, value in {
+            "delta_s": delta_s,
+            "gamma_s": gamma_s,
+            "gamma_prefill_s": gamma_prefill_s,
+            "alpha_s": alpha_s,
+            "epsilon_s": epsilon_s,
+            "draft_delta_s": draft_delta_s,
+            "draft_gamma_s": draft_gamma_s,
+            "draft_alpha_s": draft_alpha_s,
+            "draft_gamma_prefill_s": draft_gamma_prefill_s,
+            "kv_cache_tokens": kv_cache_tokens,
+        }.items()
+        if value is not None
+    }
+    if per_request_spec_decode_metrics not in (None, "summary", "detailed"):
+        raise typer.BadParameter("must be summary or detailed", param_hint="--per-request-spec-decode-metrics")
+    try:
+        faults = Faults(
+            error_rate=fault_error_rate,
+            error_status=fault_error_status,
+            hang=fault_hang,
+            hang_s=fault_hang_s,
+            hang_rate=fault_hang_rate,
+            cut_after=fault_cut_after,
+            cut_rate=fault_cut_rate,
+            error_after=fault_error_after,
+            slow_chunk_s=fault_slow_chunk_s,
+            refuse_connections=fault_refuse_connections,
+            refuse_for_s=fault_refuse_for_s,
+            metrics=parse_metrics_mode(fault_metrics),
+            health_status=fault_health_status,
+        )
+        options = SimOptions(
+            model=model,
+            served_model_names=tuple(served_model_name or ()),
+            host=host,
+            port=port,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_queued_reqs=max_num_queued_reqs,
+            max_num_queued_tokens=max_num_queued_tokens,
+            speculative_config=speculative_config,
+            per_request_spec_decode_metrics=per_request_spec_decode_metrics,  # type: ignore[arg-type]
+            api_keys=tuple(api_key or ()),
+            seed=seed,
+            enable_request_id_headers=enable_request_id_headers,
+            preset=preset,
+            time_scale=time_scale,
+            acceptance=acceptance_model(
+                _acceptance_overrides(
+                    acceptance_points, acceptance_floor, acceptance_concentration, task_factor, method_factor
+                )
+            ),
+            **physics_options(preset, speculative_config, physics),
+            fixed_acceptance=acceptance,
+            output_lengths=OutputLengths(output_len_median, output_len_sigma, output_len_min, output_len_max),
+            faults=faults,
+            log_level=log_level,
+        )
+        server = SimServer(options, loop="uvloop", http="httptools")
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"specgate sim: {options.names[0]} on {server.url} (preset {preset}, time scale {time_scale})", err=True)
+    server.run()
