@@ -6,6 +6,8 @@ Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -119,12 +121,20 @@ def run_server(settings: Settings) -> None:
         uvicorn.run(application, **common)  # type: ignore[arg-type]
     else:
         os.environ.update(settings.to_env())
-        uvicorn.run(
-            "gateway.app:create_app_from_env",
-            factory=True,
-            workers=settings.workers,
-            **common,  # type: ignore[arg-type]
-        )
+        # One view of the metrics across workers (gateway/metrics.py): a private directory for prometheus_client's
+        # multiprocess mode, set before uvicorn spawns the workers (fresh interpreters, which import
+        # prometheus_client with it set; this process imported it before, so it writes nothing there).
+        metrics_dir = tempfile.mkdtemp(prefix="specgate-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        try:
+            uvicorn.run(
+                "gateway.app:create_app_from_env",
+                factory=True,
+                workers=settings.workers,
+                **common,  # type: ignore[arg-type]
+            )
+        finally:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 @app.command()
@@ -199,6 +209,20 @@ def bench_classify_cmd(
     from gateway.bench.classify import run
 
     out.print(run(str(rules), n).render(), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("sim-sweep")
+def bench_sim_sweep_cmd(
+    preset: Annotated[str, typer.Option(help="Simulator preset.")] = "llama70b-4xh100",
+    duration: Annotated[float, typer.Option(help="Simulated seconds of arrivals per point.")] = 120.0,
+) -> None:
+    """The vLLM blog's QPS sweep (70B, K=4) on the simulator, next to the published end-to-end latencies."""
+    import asyncio
+
+    from gateway.sim.sweep import blog_sweep, render_blog_table
+
+    rows = asyncio.run(blog_sweep(preset, duration_s=duration))
+    out.print(render_blog_table(rows), highlight=False, soft_wrap=True)
 
 
 def main() -> None:
