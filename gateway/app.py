@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -27,7 +28,7 @@ from gateway.errors import (
 )
 from gateway.forward import ProxyJob, ProxyResponse
 from gateway.headers import request_id
-from gateway.metrics import CONTENT_TYPE, Outcome
+from gateway.metrics import CONTENT_TYPE, Outcome, multiprocess_dir
 from gateway.openai import JSON_CONTENT_TYPE, envelope
 from gateway.record import RequestRecord
 from gateway.runtime import Runtime
@@ -177,7 +178,12 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_runtime(request).metrics.render(), 200, media_type=CONTENT_TYPE)
+    m = _runtime(request).metrics
+    if m.shared_dir is None:
+        body = m.render()
+    else:  # merging N workers' files costs about N renders: off the event loop, which keeps proxying
+        body = await run_in_threadpool(m.render)
+    return Response(body, 200, media_type=CONTENT_TYPE)
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
@@ -244,9 +250,37 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
 
 
 def create_app_from_env() -> Starlette:
-    """uvicorn factory for multi-worker mode: settings come from SPECGATE_* variables."""
+    """uvicorn factory for multi-worker mode: settings come from SPECGATE_* variables.
+
+    When ``specgate serve --workers N`` has set up prometheus_client's multiprocess directory, this worker's
+    /metrics answers the totals of all workers, and its lifespan shutdown withdraws its gauges from them.
+    """
     from gateway.logs import configure_logging
 
     settings = Settings.from_env()
     configure_logging(settings.log_level)
-    return create_app(settings)
+    app = create_app(settings)
+    shared = multiprocess_dir()
+    if shared is None:
+        if settings.workers > 1:
+            logger.warning("PROMETHEUS_MULTIPROC_DIR is not set up: /metrics shows this worker's numbers only")
+        return app
+    metrics = _runtime_of(app).metrics
+    metrics.share_across_workers(shared)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[Any]:
+        try:
+            async with inner(app) as state:
+                yield state
+        finally:
+            metrics.worker_exited()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def _runtime_of(app: Starlette) -> Runtime:
+    rt: Runtime = app.state.runtime
+    return rt

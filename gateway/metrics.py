@@ -2,14 +2,28 @@
 
 Label values are bounded: class and pool names come from the routing YAML, outcomes from ``Outcome``;
 a request that never reached a class or a pool is labelled ``none``.
+
+With ``--workers N`` every worker is its own process with its own values, so ``/metrics`` (answered by whichever
+worker accepts the connection) must not render just that worker's registry. ``specgate serve`` then points
+``PROMETHEUS_MULTIPROC_DIR`` at a private directory before the workers start; prometheus_client, imported by each
+fresh worker with that variable set, keeps every value in a per-process file there, and each worker's
+``/metrics`` renders the merge of all the files (``MultiProcessCollector``), so every worker answers the same
+totals. Counters and histograms are summed, dead workers included (totals never go down while the gateway runs);
+the gauges say how to merge them (``multiprocess_mode``) and forget workers that are gone: a worker that exits
+normally removes its gauge files in its lifespan shutdown (``worker_exited``), and every scrape removes those of
+workers that died without one (killed, crashed). Single-process mode renders its own registry, as always.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 Outcome = Literal[
     "ok",  # 2xx, stream completed with [DONE]
@@ -57,12 +71,24 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge("specgate_in_flight_requests", "Requests in flight to each pool.", ["pool"], registry=r)
+        # multiprocess_mode only matters with several workers (ignored otherwise). In flight: the sum over the
+        # live workers. Endpoint health: each worker runs its own checks, so the merge is the highest value over
+        # the live workers (1 while any worker's last check passed; 0 once every worker's last check failed, i.e.
+        # within one check interval of the endpoint going down). "liveall" would add a ``pid`` label, one series
+        # per worker that changes on every worker restart; plain "max" would keep a dead worker's last 1 forever.
+        self.in_flight = Gauge(
+            "specgate_in_flight_requests",
+            "Requests in flight to each pool.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.endpoint_up = Gauge(
             "specgate_endpoint_healthy",
             "1 when the endpoint's last health check passed.",
             ["pool", "endpoint"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.health_checks = Counter(
             "specgate_health_checks_total",
@@ -73,6 +99,17 @@ class GatewayMetrics:
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
+        self.shared_dir: str | None = None
+
+    def share_across_workers(self, path: str) -> None:
+        """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""
+        self.shared_dir = path
+
+    def worker_exited(self) -> None:
+        """Lifespan shutdown of a worker: its gauges stop counting (its counters and histograms stay)."""
+        if self.shared_dir is not None:
+            _forget_process(os.getpid(), self.shared_dir)
 
     def observe_request(
         self, cls: str, pool: str, outcome: Outcome, e2e_s: float, ttft_s: float | None, overhead_s: float | None
@@ -96,4 +133,51 @@ class GatewayMetrics:
             overhead.observe(overhead_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        forget_dead_processes(self.shared_dir)
+        merged = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(merged, path=self.shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+
+
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when this process's metric values are kept there, else None.
+
+    prometheus_client chooses where values live once, when it is imported: a variable set later (or a process
+    that imported it before) still keeps them in memory, where no other worker can see them.
+    """
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path or values.ValueClass is values.MutexValue or not os.path.isdir(path):
+        return None
+    return path
+
+
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
+
+
+def forget_dead_processes(path: str) -> None:
+    """Remove the live-gauge files of processes that no longer exist (a worker killed without a shutdown)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    pids = {int(m.group(1)) for m in map(_LIVE_GAUGE_FILE.fullmatch, names) if m is not None}
+    for pid in pids:
+        if pid > 0 and not _process_exists(pid):
+            _forget_process(pid, path)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, and belongs to someone else
+        return True
+    return True
+
+
+def _forget_process(pid: int, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # another worker's scrape got there first
+        mark_process_dead(pid, path)  # type: ignore[no-untyped-call]

