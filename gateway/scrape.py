@@ -104,9 +104,7 @@ def parse_vllm_metrics(text: str, names: MetricNames) -> VllmSample:
     except Exception as exc:  # the parser raises ValueError, but also IndexError/KeyError on some garbage
         raise MetricsFormatError(f"unparsable Prometheus text: {type(exc).__name__}: {exc}") from exc
     if "running" not in sums or "waiting" not in sums:
-        raise MetricsFormatError(
-            f"no {names.running} / {names.waiting} in the exposition (check scrape.metric_names)"
-        )
+        raise MetricsFormatError(f"no {names.running} / {names.waiting} in the exposition (check scrape.metric_names)")
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
     return VllmSample(
         running=sums["running"],
