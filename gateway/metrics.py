@@ -102,6 +102,43 @@ class GatewayMetrics:
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
         self.shared_dir: str | None = None
 
+        # Scraped pool state (gateway.scraper). Every worker scrapes for itself, so the merge takes the most recent
+        # value of a live worker. Unknown (stale, no drafts in the window) is NaN, never 0.
+        self.pool_acceptance = Gauge(
+            "specgate_pool_acceptance_ratio",
+            "Draft acceptance rate of the pool over the scrape window (accepted / draft tokens); NaN when unknown.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_queue_depth = Gauge(
+            "specgate_pool_queue_depth",
+            "Waiting requests in the pool (scraped vllm:num_requests_waiting, summed); NaN when stale.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_batch_size = Gauge(
+            "specgate_pool_batch_size",
+            "Running requests in the pool (scraped vllm:num_requests_running, summed); NaN when stale.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.endpoint_scrape_stale = Gauge(
+            "specgate_endpoint_scrape_stale",
+            "1 when the endpoint's scraped data is stale (last scrape failed or too old).",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.scrapes = Counter(
+            "specgate_scrapes_total",
+            "Scrapes of the endpoints' /metrics by result (ok, timeout, error, bad_status, malformed).",
+            ["pool", "result"],
+            registry=r,
+        )
+
     def share_across_workers(self, path: str) -> None:
         """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""
         self.shared_dir = path

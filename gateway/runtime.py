@@ -25,6 +25,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.pools import PoolState
 from gateway.rules.loader import load_rules_text
 from gateway.rules.schema import RoutingRules
+from gateway.scrape import PoolLoad
+from gateway.scraper import Scraper
 from gateway.settings import Settings
 from gateway.upstream import PoolClient
 
@@ -101,6 +103,7 @@ class Runtime:
             interval_s=settings.health_interval_s,
             timeout_s=settings.health_timeout_s,
         )
+        self.scraper = Scraper(lambda: self.live.pools.values(), lambda: self.live.rules.scrape, self.metrics)
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -110,6 +113,11 @@ class Runtime:
         text = path.read_text()
         rules = load_rules_text(text, source=str(path))
         return cls(settings, LiveConfig.build(rules, str(path), text))
+
+    @property
+    def loads(self) -> dict[str, PoolLoad]:
+        """Scraped load per pool (``PoolLoad.view(now)``, or ``scraper.views()`` with in-flight counts applied)."""
+        return self.scraper.loads
 
     @property
     def auth_enabled(self) -> bool:
@@ -147,6 +155,7 @@ class Runtime:
             self.live.digest,
         )
         self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
+        self._tasks.append(asyncio.create_task(self.scraper.run(), name="specgate-scrape"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
 
     async def stop(self) -> None:
@@ -157,5 +166,6 @@ class Runtime:
                 await t
         self._tasks.clear()
         await self.health.close()
+        await self.scraper.close()
         for client in self.live.clients.values():
             await client.close()

@@ -123,7 +123,7 @@ class RawUpstream:
                         k, _, v = line.partition(":")
                         headers[k.strip().lower()] = v.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if path == "/health":
+                if path in ("/health", "/metrics"):  # the gateway's own probes, not client traffic
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                     await writer.drain()
                     continue
