@@ -166,11 +166,101 @@ class Route(_Strict):
     saturation: Saturation = Field(default_factory=Saturation)
 
 
+class ControllerConfig(_Strict):
+    """The class's route-state controller (``gateway.controller``): speculative pool or standard pool, from live
+    measurements, with hysteresis, a hold time, a change cap and the fallback guard. Ratios compare the expected
+    delay of the speculative pool with the standard one's; queue and batch limits are per fresh endpoint of the
+    speculative pool."""
+
+    window_s: float = Field(30.0, gt=0, description="Observation window; the guard counts one window per window_s.")
+    min_samples: int = Field(20, ge=1, description="Samples (class requests) in a window before any decision.")
+    exit_margin: float = Field(
+        1.25, gt=0, description="Leave the speculative pool when its expected delay > standard's x this ratio."
+    )
+    enter_margin: float = Field(
+        0.9, gt=0, description="Come back when its expected delay < standard's x this ratio (below exit_margin)."
+    )
+    acceptance_weight: float = Field(
+        0.5,
+        ge=0,
+        description="Both margins are multiplied by 1 + acceptance_weight x the class's last measured acceptance "
+        "rate, so high-acceptance classes stay on the speculative pool longest (no measurement: no bonus).",
+    )
+    max_queue_enter: float | None = Field(None, ge=0, description="Come back only with at most this queue.")
+    max_queue_exit: float | None = Field(None, ge=0, description="Leave above this queue if standard is faster.")
+    max_batch_enter: float | None = Field(None, ge=0, description="Come back only with at most this batch.")
+    max_batch_exit: float | None = Field(None, ge=0, description="Leave above this batch if standard is faster.")
+    min_hold_s: float = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
+    max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
+    safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")
+    disable_below: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Acceptance floor of the guard, as vLLM's acceptance RATE = Δaccepted / Δdraft_tokens "
+        "(= E[accepted]/K under the truncated geometric), not the per-position acceptance a: a = 0.5 with K = 5 "
+        "is a rate of about 0.19. None: no acceptance guard.",
+    )
+    disable_after_windows: int = Field(
+        3, ge=1, description="Consecutive windows below the floor (or with regressed p95) that trip the guard."
+    )
+    latency_regression_pct: float | None = Field(
+        None, gt=0, description="Trip the guard when p95 on the speculative pool exceeds the baseline by this %."
+    )
+    baseline_p95_s: float | None = Field(None, gt=0, description="Recorded baseline p95 latency of the class.")
+    reenable_after_s: float = Field(600.0, ge=0, description="The guard's condition must be gone this long.")
+    max_reenables_per_day: int = Field(
+        3, ge=0, description="Re-enables in 24 h; the next trip locks the class off until a person unlocks it."
+    )
+
+    @field_validator(
+        "window_s",
+        "exit_margin",
+        "enter_margin",
+        "acceptance_weight",
+        "max_queue_enter",
+        "max_queue_exit",
+        "max_batch_enter",
+        "max_batch_exit",
+        "min_hold_s",
+        "disable_below",
+        "latency_regression_pct",
+        "baseline_p95_s",
+        "reenable_after_s",
+        mode="before",
+    )
+    @classmethod
+    def _int_is_number(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ControllerConfig:
+        if not self.enter_margin < self.exit_margin:
+            raise ValueError(
+                f"thresholds out of order: enter_margin {self.enter_margin} must be below exit_margin "
+                f"{self.exit_margin} (hysteresis)"
+            )
+        for what in ("queue", "batch"):
+            enter, exit_ = getattr(self, f"max_{what}_enter"), getattr(self, f"max_{what}_exit")
+            if (enter is None) != (exit_ is None):
+                raise ValueError(f"max_{what}_enter and max_{what}_exit go together: give both or neither")
+            if enter is not None and not enter < exit_:
+                raise ValueError(
+                    f"thresholds out of order: max_{what}_enter {enter} must be below max_{what}_exit {exit_}"
+                )
+        return self
+
+
 class TrafficClass(_Strict):
     name: Name
     description: str | None = None
     when: Conditions = Field(default_factory=Conditions)
     route: Route
+    controller: ControllerConfig | None = Field(
+        None, description="Live speculative/standard controller; none = the static route above."
+    )
 
 
 class Timeouts(_Strict):
