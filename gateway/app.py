@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.acceptance import temperature_band
 from gateway.classify import TASK_HEADER, Endpoint
 from gateway.decide import Plan, plan_route
 from gateway.errors import (
@@ -116,7 +117,8 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
             extra += [("x-specgate-class", c.traffic_class.name), ("x-specgate-task-type", f.task_type)]
             if f.model not in live.model_set:
                 raise ModelNotFound(f"The model `{f.model}` does not exist.", param="model")
-            plan = plan_route(c.traffic_class.route, f.model, live.views())
+            route_state = rt.routing.state_for_request(c.traffic_class.name)  # counts the request for its controller
+            plan = plan_route(c.traffic_class.route, f.model, live.views(), route_state=route_state)
             stream = f.stream
             max_attempts = live.rules.defaults.max_attempts
         rec.route_reason = plan.reason
@@ -133,6 +135,7 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         rec.status, rec.error = 500, "internal error in the gateway"
         rec.finish("gateway_error", rt.metrics, rt.access_log)
         raise
+    rec.temperature_band = temperature_band(body.get("temperature"))
     job = ProxyJob(
         path=path,
         body=raw,
@@ -142,6 +145,7 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         max_attempts=max_attempts,
         record=rec,
         extra_headers=extra,
+        parsed=body if stream else None,
     )
     return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng)
 

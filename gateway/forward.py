@@ -8,6 +8,10 @@ The commit point is the first byte of the response body sent to the client. Befo
 for a retryable reason (connect error, first-byte timeout, 429/502/503/504, an error event or a broken
 connection before the first event) moves on to the next candidate, within ``max_attempts``. After it nothing
 is ever re-sent: a stream that breaks ends with an explicit error event and ``[DONE]``.
+
+Responses of speculative pools are read for their per-request spec-decode metrics (``gateway.acceptance``): a
+stream sent to such a pool asks for the usage chunk that carries them, which is stripped again when the client
+did not ask for it itself. Responses of standard pools are relayed without a look.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.acceptance import StreamTap, sample_from_body, with_include_usage
 from gateway.decide import Plan
 from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from gateway.headers import client_response_headers, upstream_request_headers
@@ -57,6 +62,7 @@ class ProxyJob:
     max_attempts: int
     record: RequestRecord
     extra_headers: list[tuple[str, str]]
+    parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
 
 
 @dataclass(slots=True)
@@ -69,6 +75,7 @@ class _Opened:
     first_events: list[bytes] | None
     splitter: SSESplitter | None
     buffered_body: bytes | None
+    tap: StreamTap | None = None  # streams from a speculative pool
 
 
 def _candidates(
@@ -115,6 +122,9 @@ class ProxyResponse(Response):
         self._opened: _Opened | None = None
         self._client_gone = False
         self._last_send = False  # from here on, a disconnect is the normal end of the exchange
+        self._tap: StreamTap | None = None
+        self._usage_body: bytes | None = None  # the body with stream_options.include_usage, once built
+        self._usage_body_built = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; a small watcher cancels it when the client goes away.
@@ -141,6 +151,8 @@ class ProxyResponse(Response):
             logger.exception("error after the commit point of %s", self.job.record.request_id)
         finally:
             watch.cancel()
+            if self._tap is not None and self._tap.sample is not None:
+                self.job.record.spec = self._tap.sample
             self._cleanup()
             self.job.record.finish(self.outcome, self.metrics, self.access_log)
 
@@ -245,7 +257,8 @@ class ProxyResponse(Response):
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
     ) -> _Opened:
         job, rec = self.job, self.job.record
-        resp = await client.post(ep, job.path, job.body, headers)
+        body, strip = self._stream_body(pool)
+        resp = await client.post(ep, job.path, body, headers)
         try:
             self._check_status(pool, resp)
             if resp.status != 200:  # an error answer: relayed whole, with its status
@@ -267,11 +280,24 @@ class ProxyResponse(Response):
                 if is_error_event(events[0]):
                     raise UpstreamError(f"error event before the first token: {events[0][:200]!r}")
                 rec.upstream_first = time.perf_counter()
-                return _Opened(pool, ep, resp, events, splitter, None)
+                tap = StreamTap(strip) if pool.spec.kind == "speculative" else None
+                return _Opened(pool, ep, resp, events, splitter, None, tap)
             raise UpstreamError("upstream closed the stream before the first event")
         except BaseException:
             resp.abort()
             raise
+
+    def _stream_body(self, pool: PoolState) -> tuple[bytes, bool]:
+        """The body for a stream to ``pool``, and whether the gateway added the usage chunk (to strip it)."""
+        job = self.job
+        if pool.spec.kind != "speculative" or job.parsed is None:
+            return job.body, False
+        if not self._usage_body_built:
+            self._usage_body_built = True
+            self._usage_body = with_include_usage(job.parsed)
+        if self._usage_body is None:
+            return job.body, False
+        return self._usage_body, True
 
     @staticmethod
     def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
@@ -326,12 +352,15 @@ class ProxyResponse(Response):
         self.committed = True
         self._last_send = True
         await send({"type": "http.response.body", "body": body})
+        if resp.status == 200 and opened.pool.spec.kind == "speculative":
+            rec.spec = sample_from_body(body)
 
     async def _relay_stream(self, send: Send, opened: _Opened) -> None:
         resp, rec = opened.response, self.job.record
         assert opened.first_events is not None
         assert opened.splitter is not None
         rec.status = resp.status
+        self._tap = opened.tap
         headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw.raw_headers))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
@@ -350,7 +379,8 @@ class ProxyResponse(Response):
         if not done:
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"
-            await send({"type": "http.response.body", "body": sse_error(rec.error), "more_body": True})
+            held = b"".join(opened.tap.flush()) if opened.tap is not None else b""
+            await send({"type": "http.response.body", "body": held + sse_error(rec.error), "more_body": True})
         self._last_send = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if done:
@@ -370,6 +400,8 @@ class ProxyResponse(Response):
             if is_error_event(event):
                 self.outcome = "stream_error"
                 self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
+        if self._tap is not None:
+            events = self._tap.feed(events)
         if events:
             body = events[0] if len(events) == 1 else b"".join(events)
             await send({"type": "http.response.body", "body": body, "more_body": True})

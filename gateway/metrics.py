@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from gateway.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
+
 Outcome = Literal[
     "ok",  # 2xx, stream completed with [DONE]
     "client_error",  # 4xx decided by the gateway or relayed from the pool
@@ -139,6 +141,43 @@ class GatewayMetrics:
             registry=r,
         )
 
+        # Per-class acceptance from the responses of speculative pools (gateway.acceptance): a sliding window of
+        # each class's recent requests in this process, pooled from the counts; NaN until a request drafted.
+        self.class_acceptance = Gauge(
+            "specgate_class_acceptance_ratio",
+            "Draft acceptance rate of the class over its recent requests (accepted / draft tokens); NaN when none.",
+            ["class"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.class_acceptance_length = Gauge(
+            "specgate_class_mean_acceptance_length",
+            "Mean acceptance length of the class over its recent requests (1 + accepted / steps); NaN when none.",
+            ["class"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.class_acceptance_requests = Histogram(
+            "specgate_class_acceptance",
+            "Per-request draft acceptance rate (accepted / draft tokens) by class and temperature band.",
+            ["class", "temperature_band"],
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.class_draft_tokens = Counter(
+            "specgate_class_draft_tokens",
+            "Draft tokens of the class's requests, as their speculative pool reported them.",
+            ["class"],
+            registry=r,
+        )
+        self.class_accepted_tokens = Counter(
+            "specgate_class_accepted_draft_tokens",
+            "Accepted draft tokens of the class's requests, as their speculative pool reported them.",
+            ["class"],
+            registry=r,
+        )
+        self.class_windows: dict[str, AcceptanceWindow] = {}
+
     def share_across_workers(self, path: str) -> None:
         """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""
         self.shared_dir = path
@@ -168,6 +207,20 @@ class GatewayMetrics:
             ttft.observe(ttft_s)
         if overhead_s is not None:
             overhead.observe(overhead_s)
+
+    def observe_acceptance(self, cls: str, band: str, sample: SpecSample) -> None:
+        """One request's spec-decode metrics: the class's window, its gauges, the histogram and the counters."""
+        window = self.class_windows.get(cls)
+        if window is None:
+            window = self.class_windows[cls] = AcceptanceWindow()
+        window.add(sample)
+        self.class_acceptance.labels(cls).set(window.ratio)
+        self.class_acceptance_length.labels(cls).set(window.mean_acceptance_length)
+        self.class_draft_tokens.labels(cls).inc(sample.drafted)
+        self.class_accepted_tokens.labels(cls).inc(sample.accepted)
+        rate = sample.rate
+        if rate is not None:
+            self.class_acceptance_requests.labels(cls, band).observe(rate)
 
     def render(self) -> bytes:
         if self.shared_dir is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway.acceptance import SpecSample
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics, Outcome
 
@@ -51,6 +52,8 @@ class RequestRecord:
     upstream_done: float | None = None  # non-stream: body read
     first_sent: float | None = None
     error: str | None = None
+    temperature_band: str = "unset"  # gateway.acceptance.temperature_band of the client's temperature
+    spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
     _finished: bool = False
 
     def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
@@ -76,6 +79,9 @@ class RequestRecord:
         ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
         overhead = self.overhead_s(end)
         metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
+        spec = self.spec
+        if spec is not None:
+            metrics.observe_acceptance(cls, self.temperature_band, spec)
         if access_log.enabled:
             line = {
                 "event": "request",
@@ -93,6 +99,8 @@ class RequestRecord:
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
                 "overhead_ms": None if overhead is None else round(overhead * 1000, 3),
                 "attempts": [a.as_dict() for a in self.attempts],
+                "accepted": None if spec is None else spec.accepted,
+                "drafted": None if spec is None else spec.drafted,
             }
             if self.error:
                 line["error"] = self.error

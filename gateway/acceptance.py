@@ -1,0 +1,265 @@
+"""Per-request speculative-decoding acceptance, read from the responses of speculative pools.
+
+vLLM (``--per-request-spec-decode-metrics summary|detailed``) puts ``"metrics": {"speculative_decoding": {...}}``
+at the top level of a whole response (null when n > 1), and in a stream only on the final usage chunk
+(``choices: []``), which is sent only when ``stream_options.include_usage`` is true. To read it from streams
+whose client did not ask for usage, the gateway asks for it upstream (``with_include_usage``) and ``StreamTap``
+removes the extra chunk again, so the client sees what it would have seen without the gateway.
+
+Cost on the hot path: nothing for standard pools; for speculative pools one substring search per stream event,
+and a JSON parse only of the final usage chunk (and of a whole body that carries the metrics).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.openai import is_done_event
+
+# Per-request acceptance rates: P10/P50/P90 are read from these buckets.
+ACCEPTANCE_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 … 0.95
+TEMPERATURE_BANDS = ("0-0.3", "0.3-0.7", "0.7+", "unset")
+DEFAULT_WINDOW = 200  # requests per class in the sliding window
+
+
+def temperature_band(value: object) -> str:
+    """The bounded label for a request's ``temperature`` as the client sent it ("unset" when absent)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return "unset"
+    if value < 0.3:
+        return "0-0.3"
+    if value < 0.7:
+        return "0.3-0.7"
+    return "0.7+"
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSample:
+    """One request's speculative decoding, as its pool reported it."""
+
+    drafted: int  # num_draft_tokens
+    accepted: int  # num_accepted_draft_tokens
+    steps: int | None  # num_spec_steps (number of drafts)
+    mean_acceptance_length: float | None
+
+    @property
+    def rate(self) -> float | None:
+        """Δaccepted / Δdraft_tokens of this request; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted > 0 else None
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def sample_from_metrics(metrics: object) -> SpecSample | None:
+    """Read ``{"speculative_decoding": {...}}`` (the response's top-level ``metrics``); None when absent or bad."""
+    if not isinstance(metrics, dict):
+        return None
+    sd = metrics.get("speculative_decoding")
+    if not isinstance(sd, dict):
+        return None
+    drafted = _count(sd.get("num_draft_tokens"))
+    accepted = _count(sd.get("num_accepted_draft_tokens"))
+    if drafted is None or accepted is None or accepted > drafted:
+        return None
+    steps = _count(sd.get("num_spec_steps", sd.get("num_drafts")))
+    mal = sd.get("mean_acceptance_length")
+    if isinstance(mal, bool) or not isinstance(mal, int | float) or not math.isfinite(mal):
+        mal = 1.0 + accepted / steps if steps else None
+    return SpecSample(drafted, accepted, steps, float(mal) if mal is not None else None)
+
+
+def sample_from_body(body: bytes) -> SpecSample | None:
+    """A whole (non-streaming) response body; parsed only when it carries the spec-decode metrics."""
+    if b'"speculative_decoding"' not in body:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return sample_from_metrics(data.get("metrics")) if isinstance(data, dict) else None
+
+
+def with_include_usage(body: Mapping[str, Any]) -> bytes | None:
+    """The request body re-serialised with ``stream_options.include_usage`` on; None when it needs no change.
+
+    None also when the client asked for usage itself (it keeps its usage chunk) or ``stream_options`` is not an
+    object (the pool answers that as the client's error). ``continuous_usage_stats`` only takes effect with
+    ``include_usage``, so a client that set it without usage gets it turned off, to see no usage on any chunk.
+    """
+    opts = body.get("stream_options")
+    if opts is None:
+        new: dict[str, Any] = {"include_usage": True}
+    elif isinstance(opts, dict):
+        if opts.get("include_usage"):
+            return None
+        new = {**opts, "include_usage": True}
+        if opts.get("continuous_usage_stats"):
+            new["continuous_usage_stats"] = False
+    else:
+        return None
+    return orjson.dumps({**body, "stream_options": new})
+
+
+def _event_json(event: bytes) -> Any:
+    if not event.startswith(b"data:"):
+        return None
+    try:
+        return orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return None
+
+
+_EMPTY_CHOICES = (b'"choices":[]', b'"choices": []')
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "')
+
+
+def _is_usage_candidate(event: bytes) -> bool:
+    return _EMPTY_CHOICES[0] in event or _EMPTY_CHOICES[1] in event
+
+
+def _has_finish_reason(event: bytes) -> bool:
+    return _FINISHED[0] in event or _FINISHED[1] in event
+
+
+class StreamTap:
+    """Watches the events of a stream from a speculative pool for the final usage chunk.
+
+    It records the chunk's spec-decode metrics in ``sample``. With ``strip`` (the gateway asked for the usage
+    chunk, the client did not) the chunk — the event with ``"choices":[]`` and ``usage`` right before ``[DONE]``
+    — is held back and dropped once ``[DONE]`` follows. vLLM moves ``system_fingerprint`` from the last token
+    chunk to the usage chunk when usage is on, so while stripping the chunk that carries a ``finish_reason`` is
+    held until the next event, and gets the fingerprint back if the usage chunk carried one. Every other event
+    passes unchanged, in order.
+    """
+
+    __slots__ = ("_held_finish", "_held_usage", "sample", "strip")
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.sample: SpecSample | None = None
+        self._held_finish: bytes | None = None
+        self._held_usage: bytes | None = None
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        """The events to send now, from the whole events of one read."""
+        if not self.strip:
+            for event in events:
+                if _is_usage_candidate(event):
+                    self._observe_usage(event)
+            return events
+        out: list[bytes] = []
+        for event in events:
+            if self._held_usage is not None:
+                usage, self._held_usage = self._held_usage, None
+                if is_done_event(event):  # the extra chunk, right before [DONE]: dropped
+                    self._release_finish(out)
+                    out.append(event)
+                    continue
+                self._release_finish(out)
+                out.append(usage)
+            if _is_usage_candidate(event):
+                data = self._observe_usage(event)
+                if data is not None:
+                    fingerprint = data.get("system_fingerprint")
+                    if isinstance(fingerprint, str) and self._held_finish is not None:
+                        self._held_finish = _with_fingerprint(self._held_finish, fingerprint)
+                    self._held_usage = event
+                    continue
+            self._release_finish(out)
+            if _has_finish_reason(event):
+                self._held_finish = event
+            else:
+                out.append(event)
+        return out
+
+    def flush(self) -> list[bytes]:
+        """The stream ended without [DONE]: whatever is held goes out as it came."""
+        out: list[bytes] = []
+        self._release_finish(out)
+        if self._held_usage is not None:
+            out.append(self._held_usage)
+            self._held_usage = None
+        return out
+
+    def _release_finish(self, out: list[bytes]) -> None:
+        if self._held_finish is not None:
+            out.append(self._held_finish)
+            self._held_finish = None
+
+    def _observe_usage(self, event: bytes) -> dict[str, Any] | None:
+        """The parsed usage chunk (``choices: []`` and a ``usage`` key), its metrics recorded; else None."""
+        data = _event_json(event)
+        if not isinstance(data, dict) or data.get("choices") != [] or "usage" not in data:
+            return None
+        sample = sample_from_metrics(data.get("metrics"))
+        if sample is not None:
+            self.sample = sample
+        return data
+
+
+def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:
+    """The token chunk with ``system_fingerprint`` where vLLM puts it (before ``kv_transfer_params``)."""
+    data = _event_json(event)
+    if not isinstance(data, dict) or "system_fingerprint" in data:
+        return event
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "kv_transfer_params":
+            out["system_fingerprint"] = fingerprint
+        out[key] = value
+    out.setdefault("system_fingerprint", fingerprint)
+    return b"data: " + orjson.dumps(out) + b"\n\n"
+
+
+class AcceptanceWindow:
+    """Pooled acceptance of one traffic class over its most recent requests (sums of counts, not mean of ratios)."""
+
+    __slots__ = ("_accepted", "_drafted", "_samples", "_step_accepted", "_steps")
+
+    def __init__(self, size: int = DEFAULT_WINDOW) -> None:
+        self._samples: deque[SpecSample] = deque(maxlen=size)
+        self._drafted = 0
+        self._accepted = 0
+        self._steps = 0
+        self._step_accepted = 0  # accepted tokens of the samples that reported their steps
+
+    def add(self, sample: SpecSample) -> None:
+        samples = self._samples
+        if samples.maxlen is not None and len(samples) == samples.maxlen:
+            self._remove(samples[0])
+        samples.append(sample)
+        self._drafted += sample.drafted
+        self._accepted += sample.accepted
+        if sample.steps:
+            self._steps += sample.steps
+            self._step_accepted += sample.accepted
+
+    def _remove(self, sample: SpecSample) -> None:
+        self._drafted -= sample.drafted
+        self._accepted -= sample.accepted
+        if sample.steps:
+            self._steps -= sample.steps
+            self._step_accepted -= sample.accepted
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @property
+    def ratio(self) -> float:
+        """Σaccepted / Σdraft tokens over the window; NaN when nothing was drafted."""
+        return self._accepted / self._drafted if self._drafted else math.nan
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + Σaccepted / Σsteps over the window (tokens per verification step); NaN when unknown."""
+        return 1.0 + self._step_accepted / self._steps if self._steps else math.nan
