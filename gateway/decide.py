@@ -42,13 +42,42 @@ def is_saturated(route: Route, pool: PoolView) -> bool:
     return pool.in_flight >= limit * pool.routable_endpoints
 
 
-def plan_route(route: Route, model: str, pools: Mapping[str, PoolView]) -> Plan:
-    """Order the candidate pools for one request of a class, by the class's route and the pools' state."""
+def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[str, str] | None:
+    """The class's controller candidates by pool kind (``{"speculative": name, "standard": name}``) among
+    ``route.preferred`` / ``route.saturated``; None when they are not one of each (the loader checks this)."""
+    if route.saturated is None:
+        return None
+    by_kind: dict[str, str] = {}
+    for name in (route.preferred, route.saturated):
+        view = pools.get(name)
+        if view is None or view.kind in by_kind:
+            return None
+        by_kind[view.kind] = name
+    return by_kind if set(by_kind) == {"speculative", "standard"} else None
+
+
+def plan_route(route: Route, model: str, pools: Mapping[str, PoolView], *, route_state: str | None = None) -> Plan:
+    """Order the candidate pools for one request of a class, by the class's route and the pools' state.
+
+    ``route_state`` is the class controller's state (``"speculative"`` / ``"standard"``; None: no controller):
+    the candidate of that kind goes first, the other second, then the fallbacks (reason ``controller:<state>``).
+    The in-flight saturation rule still applies on top while the controller picks ``route.preferred``: it reacts
+    within a scrape interval, the controller only once per round. When the controller picks ``route.saturated``
+    that pool is not checked (the limit is defined for the preferred pool only).
+    """
     preferred = pools.get(route.preferred)
     reason = "preferred"
     order: list[str] = [route.preferred]
+    candidates = controller_candidates(route, pools) if route_state is not None else None
+    if candidates is not None and route_state in candidates:
+        first = candidates[route_state]
+        second = route.saturated if first == route.preferred else route.preferred
+        assert second is not None  # candidates exist only with route.saturated
+        order = [first, second]
+        reason = f"controller:{route_state}"
     if (
-        route.saturated is not None
+        (candidates is None or order[0] == route.preferred)
+        and route.saturated is not None
         and preferred is not None
         and preferred.routable_endpoints > 0
         and is_saturated(route, preferred)

@@ -23,6 +23,7 @@ from gateway.health import HealthChecker
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.pools import PoolState
+from gateway.routing_state import RoutingState
 from gateway.rules.loader import load_rules_text
 from gateway.rules.schema import RoutingRules
 from gateway.scrape import PoolLoad
@@ -103,7 +104,14 @@ class Runtime:
             interval_s=settings.health_interval_s,
             timeout_s=settings.health_timeout_s,
         )
-        self.scraper = Scraper(lambda: self.live.pools.values(), lambda: self.live.rules.scrape, self.metrics)
+        # The route state of the classes with a ``controller:`` block, fed after every scrape round.
+        self.routing = RoutingState(lambda: self.live.rules, self.metrics.registry)
+        self.scraper = Scraper(
+            lambda: self.live.pools.values(),
+            lambda: self.live.rules.scrape,
+            self.metrics,
+            on_round=self.routing.on_scrape_round,
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod

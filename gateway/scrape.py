@@ -298,7 +298,12 @@ class EndpointLoad:
         if in_flight is not None:
             delta = in_flight - self.in_flight_at_sample
             if delta >= 0:
-                waiting += delta
+                # New requests join the running batch while the server had no queue at the scrape (vLLM admits
+                # them at the next step), else they queue: one request in flight must not look like a queue.
+                if waiting > 0:
+                    waiting += delta
+                else:
+                    running += delta
             else:
                 gone = -delta
                 from_queue = min(waiting, gone)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
@@ -51,8 +51,10 @@ class Scraper:
         metrics: GatewayMetrics | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_round: Callable[[float, Mapping[str, PoolLoadView]], object] | None = None,
     ) -> None:
         self._pools = pools
+        self._on_round = on_round  # called after each round with (now, views): the route-state controllers
         self._config = config
         self._metrics = metrics
         self._clock = clock
@@ -97,6 +99,9 @@ class Scraper:
                 logger.error("scrape of %s/%s failed with a bug", ep.pool, ep.id, exc_info=res)
         self.rounds += 1
         self._export()
+        if self._on_round is not None:
+            now = self._clock()
+            self._on_round(now, self.views(now))
 
     def _sync(self, pools: list[PoolState], cfg: Scrape) -> list[tuple[EndpointState, EndpointLoad]]:
         """Match the loads to the current pools and endpoints (after a reload), and apply the settings."""

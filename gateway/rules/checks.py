@@ -1,7 +1,8 @@
 """Semantic checks of routing rules: what the schema alone cannot see because it needs the whole document.
 
 Referenced pools exist (and a route does not name one pool twice), pool / class / endpoint names are unique,
-exactly the last class is a catch-all, and condition values (task types, endpoints, response_format types,
+exactly the last class is a catch-all, a class with a ``controller`` has one speculative and one standard
+candidate pool, and condition values (task types, endpoints, response_format types,
 models) are ones a request can actually have. Each problem comes as (path, message); the loader adds lines.
 """
 
@@ -51,6 +52,7 @@ def semantic_issues(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
     yield from _pool_references(rules)
     yield from _catch_all(rules)
     yield from _condition_values(rules)
+    yield from _controller_candidates(rules)
 
 
 def _unique_names(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
@@ -149,3 +151,24 @@ def _condition_values(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
                     yield (*base, field, "in", k), f'no pool serves model "{v}" (served: {", ".join(sorted(known))})'
                 else:
                     yield (*base, field, "in", k), unknown(what, v, known)
+
+
+def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
+    """A class with a ``controller`` block needs one speculative and one standard pool among route.preferred /
+    route.saturated: the controller's two states route to them."""
+    kinds = {p.name: p.kind for p in rules.pools}
+    for i, cls in enumerate(rules.classes):
+        if cls.controller is None:
+            continue
+        route = cls.route
+        names = [route.preferred] if route.saturated is None else [route.preferred, route.saturated]
+        if any(n not in kinds for n in names):
+            continue  # reported by _pool_references
+        found = sorted(kinds[n] for n in names)
+        if found != ["speculative", "standard"]:
+            described = ", ".join(f'"{n}" ({kinds[n]})' for n in names)
+            yield (
+                ("classes", i, "controller"),
+                "a class with a controller needs one speculative and one standard pool among route.preferred and "
+                f"route.saturated; found {described}",
+            )

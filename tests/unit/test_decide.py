@@ -85,3 +85,59 @@ def test_pick_skips_unhealthy_and_excluded() -> None:
         assert ep.id == "h2:8000"
     pool.endpoints[2].weight = 0
     assert pool.pick(rng, exclude={"h1:8000"}) is None
+
+
+# -- with a controller state -----------------------------------------------------------------------------------
+
+
+def kview(name: str, kind: str, *, routable: int = 1, in_flight: int = 0) -> PoolView:
+    return PoolView(name, kind, frozenset({"m"}), routable, in_flight)
+
+
+CONTROLLED = {
+    "spec": kview("spec", "speculative"),
+    "std": kview("std", "standard"),
+    "other": kview("other", "standard"),
+}
+
+
+def test_controller_state_puts_the_candidate_of_its_kind_first() -> None:
+    r = route(saturated="std", fallback=["other"])
+    spec = plan_route(r, "m", CONTROLLED, route_state="speculative")
+    std = plan_route(r, "m", CONTROLLED, route_state="standard")
+    assert (spec.pools, spec.reason) == (("spec", "std", "other"), "controller:speculative")
+    assert (std.pools, std.reason) == (("std", "spec", "other"), "controller:standard")
+
+
+def test_controller_candidates_by_kind_not_by_position() -> None:
+    r = Route.model_validate({"preferred": "std", "saturated": "spec"})  # home is the standard pool
+    assert plan_route(r, "m", CONTROLLED, route_state="speculative").pools == ("spec", "std")
+    assert plan_route(r, "m", CONTROLLED, route_state="standard").pools == ("std", "spec")
+
+
+def test_no_controller_state_is_todays_plan() -> None:
+    r = route(saturated="std", fallback=["other"])
+    assert plan_route(r, "m", CONTROLLED, route_state=None) == plan_route(r, "m", CONTROLLED)
+
+
+def test_saturation_still_applies_when_the_controller_picks_the_preferred_pool() -> None:
+    r = route(saturated="std", saturation={"max_inflight_per_endpoint": 2})
+    busy = {**CONTROLLED, "spec": kview("spec", "speculative", in_flight=2)}
+    plan = plan_route(r, "m", busy, route_state="speculative")
+    assert (plan.pools, plan.reason) == (("std", "spec"), "saturated")
+    # on the saturated pool already: nothing to spill
+    assert plan_route(r, "m", busy, route_state="standard").reason == "controller:standard"
+
+
+def test_controller_state_skips_an_unavailable_candidate() -> None:
+    r = route(saturated="std")
+    pools = {**CONTROLLED, "spec": kview("spec", "speculative", routable=0)}
+    plan = plan_route(r, "m", pools, route_state="speculative")
+    assert plan.pools == ("std",)
+    assert plan.skipped == (("spec", "no routable endpoint"),)
+
+
+def test_controller_state_without_two_kinds_falls_back_to_the_route() -> None:
+    r = Route.model_validate({"preferred": "std", "saturated": "other"})  # both standard: the loader refuses this
+    plan = plan_route(r, "m", CONTROLLED, route_state="speculative")
+    assert (plan.pools, plan.reason) == (("std",), "preferred")

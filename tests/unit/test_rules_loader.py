@@ -43,6 +43,11 @@ INVALID: dict[str, tuple[str, str, int | None]] = {
     "non_http_url": ("pools[0].endpoints[0].url", "must be http(s)", 8),
     "non_string_key": ("", "keys must be strings, got 1", 2),
     "range_not_mapping": ("classes[0].when.temperature", "expected a range such as {lte: 0.5}", 17),
+    "controller_without_standard_candidate": (
+        "classes[0].controller",
+        'needs one speculative and one standard pool among route.preferred and route.saturated; found "speculative"',
+        21,
+    ),
     "saturated_is_preferred": ("classes[0].route.saturated", '"speculative" is route.preferred', 20),
     "saturation_without_saturated": ("classes[1].route.saturation", "without route.saturated", 26),
     "speculative_without_block": ("pools[0]", "needs a `speculative` block", 3),

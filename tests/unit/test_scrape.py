@@ -383,3 +383,11 @@ async def test_series_of_pools_gone_after_a_reload_are_removed() -> None:
         assert set(scraper.loads) == {"a"}
     finally:
         await scraper.close()
+
+
+def test_new_requests_join_the_batch_while_the_server_had_no_queue() -> None:
+    ep = endpoint()
+    ep.record(sample(running=1, waiting=0), now=0.0, in_flight=1)
+    g = ep.gauges(0.5, in_flight=2)  # one more request since the scrape: it runs, it does not queue
+    assert g is not None
+    assert (g.running, g.waiting) == (2, 0)

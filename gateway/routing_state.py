@@ -1,0 +1,236 @@
+"""The live route state of every controlled traffic class: one ``Controller`` per class with a ``controller:`` block.
+
+Owned by the ``Runtime``; fed once per scrape round (``on_scrape_round``, called by the scraper's round hook) and
+read on the hot path (``state_for_request``: one dict lookup and one integer increment).
+
+Per controlled class and round it builds one ``Observation`` of the class's two candidate pools (the speculative
+and the standard one among ``route.preferred`` / ``route.saturated``; the loader checks there is one of each):
+
+- samples: the class's requests routed by this process in the last ``controller.window_s`` (counted by
+  ``state_for_request``, differenced against per-round snapshots);
+- expected delays, queue and batch from the scraped ``PoolLoadView``\\ s; a pool without a TPOT measurement in
+  the scrape window (idle: no request finished) uses its last measured TPOT, else the other candidate's, else
+  ``DEFAULT_TPOT_S``;
+- acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
+  (``specgate_class_draft_tokens`` / ``specgate_class_accepted_draft_tokens``, fed from the responses of
+  speculative pools); None while the class drafted nothing in the window (e.g. while it is on the standard pool);
+- p95: not measured yet (None), so the latency-regression guard does not act.
+
+Every transition increments ``specgate_controller_transitions_total{class,from,to,reason}``, moves the
+``specgate_class_route_state{class,state}`` gauge and logs one JSON line on the ``specgate.controller`` logger.
+Not thread-safe: the event loop owns it. With several workers each process runs its own controllers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gateway.controller import Controller, Observation, RouteState, Transition
+from gateway.rules.schema import ControllerConfig, RoutingRules
+from gateway.scrape import PoolLoadView
+
+logger = logging.getLogger("specgate.controller")
+
+DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither candidate pool has a measurement
+STATES: tuple[RouteState, ...] = ("speculative", "standard")
+DRAFT_TOKENS = "specgate_class_draft_tokens"
+ACCEPTED_TOKENS = "specgate_class_accepted_draft_tokens"
+
+
+@dataclass(slots=True)
+class _Class:
+    """One controlled class: its controller, its candidate pools and its window counters."""
+
+    controller: Controller
+    spec_pool: str
+    std_pool: str
+    since: float  # when this controller was made: the first window's base
+    requests: int = 0  # cumulative, bumped per routed request
+    start_requests: int = 0  # ``requests`` when this controller was made
+    # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
+    history: deque[tuple[float, int, float, float]] = field(default_factory=deque)
+
+
+def candidates(rules: RoutingRules, class_name: str) -> tuple[str, str] | None:
+    """(speculative pool, standard pool) of a class among route.preferred / route.saturated, if one of each."""
+    kinds = {p.name: p.kind for p in rules.pools}
+    for cls in rules.classes:
+        if cls.name != class_name:
+            continue
+        names = [cls.route.preferred] if cls.route.saturated is None else [cls.route.preferred, cls.route.saturated]
+        by_kind = {kinds.get(n): n for n in names}
+        spec, std = by_kind.get("speculative"), by_kind.get("standard")
+        return (spec, std) if spec is not None and std is not None and len(names) == 2 else None
+    return None
+
+
+class RoutingState:
+    """Every controlled class's ``Controller``, fed by the scrape rounds, with its metrics and log lines."""
+
+    def __init__(
+        self,
+        rules: Callable[[], RoutingRules],
+        registry: CollectorRegistry,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._rules = rules
+        self._registry = registry
+        self._clock = clock
+        self._classes: dict[str, _Class] = {}
+        self._last_tpot: dict[str, float] = {}  # per pool: the last TPOT measured, for while it idles
+        self.transitions = Counter(
+            "specgate_controller_transitions_total",
+            "Route-state changes of a traffic class's controller, by reason.",
+            ["class", "from", "to", "reason"],
+            registry=registry,
+        )
+        # Every worker runs its own controllers: the merge shows 1 for a state while any live worker has it.
+        self.route_state = Gauge(
+            "specgate_class_route_state",
+            "1 for the traffic class's current route state (speculative or standard), 0 for the other.",
+            ["class", "state"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
+        self._sync(clock())
+
+    # -- the hot path ----------------------------------------------------------------------------------------
+
+    def state_of(self, class_name: str) -> RouteState | None:
+        """The class's route state; None when the class has no controller."""
+        c = self._classes.get(class_name)
+        return None if c is None else c.controller.state
+
+    def state_for_request(self, class_name: str) -> RouteState | None:
+        """``state_of``, counting one request of the class toward its controller's samples."""
+        c = self._classes.get(class_name)
+        if c is None:
+            return None
+        c.requests += 1
+        return c.controller.state
+
+    # -- the scrape round ------------------------------------------------------------------------------------
+
+    def on_scrape_round(self, now: float, views: Mapping[str, PoolLoadView]) -> list[Transition]:
+        """One observation per controlled class from this round's pool views; the transitions it caused."""
+        self._sync(now)
+        if not self._classes:
+            return []
+        drafted, accepted = self._class_draft_counts()
+        out: list[Transition] = []
+        for name, c in self._classes.items():
+            cfg = c.controller.config
+            if not c.history:  # the first round: requests count from the controller's start, drafts from now
+                c.history.append((c.since, c.start_requests, drafted.get(name, 0.0), accepted.get(name, 0.0)))
+            c.history.append((now, c.requests, drafted.get(name, 0.0), accepted.get(name, 0.0)))
+            while len(c.history) > 1 and c.history[1][0] <= now - cfg.window_s:
+                c.history.popleft()
+            _, base_requests, base_drafted, base_accepted = c.history[0]
+            d_drafted = drafted.get(name, 0.0) - base_drafted
+            acceptance = (accepted.get(name, 0.0) - base_accepted) / d_drafted if d_drafted > 0 else None
+            obs = self._observation(
+                views.get(c.spec_pool), views.get(c.std_pool), samples=c.requests - base_requests, acceptance=acceptance
+            )
+            t = c.controller.observe(now, obs)
+            if t is not None:
+                self._record(t)
+                out.append(t)
+        return out
+
+    def _observation(
+        self, spec: PoolLoadView | None, std: PoolLoadView | None, *, samples: int, acceptance: float | None
+    ) -> Observation:
+        if spec is None or std is None:  # not scraped yet: unknown, never 0
+            return Observation(samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, stale=True)
+        spec_tpot, std_tpot = self._tpot(spec), self._tpot(std)
+        # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
+        # was under load), else the other candidate's, else the default.
+        spec = replace(spec, tpot_mean_s=spec_tpot if spec_tpot is not None else std_tpot)
+        std = replace(std, tpot_mean_s=std_tpot if std_tpot is not None else spec_tpot)
+        return Observation.from_views(spec, std, samples=samples, tpot_fallback_s=DEFAULT_TPOT_S, acceptance=acceptance)
+
+    def _tpot(self, view: PoolLoadView) -> float | None:
+        """The pool's TPOT over the scrape window, else the last one measured (remembered per pool)."""
+        t = view.tpot_mean_s
+        if t is not None and t > 0 and math.isfinite(t):
+            self._last_tpot[view.pool] = t
+            return t
+        return self._last_tpot.get(view.pool)
+
+    def _class_draft_counts(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Cumulative draft and accepted tokens per class, from the gateway's per-class counters (this process)."""
+        drafted: dict[str, float] = {}
+        accepted: dict[str, float] = {}
+        targets = {DRAFT_TOKENS + "_total": drafted, ACCEPTED_TOKENS + "_total": accepted}
+        for family in self._registry.restricted_registry(list(targets)).collect():
+            for sample in family.samples:
+                into = targets.get(sample.name)
+                cls = sample.labels.get("class")
+                if into is not None and cls is not None:
+                    into[cls] = into.get(cls, 0.0) + sample.value
+        return drafted, accepted
+
+    def _record(self, t: Transition) -> None:
+        self.transitions.labels(t.class_name, t.from_state, t.to_state, t.reason).inc()
+        self._set_gauge(t.class_name, t.to_state)
+        line = {
+            "event": "controller_transition",
+            "class": t.class_name,
+            "from": t.from_state,
+            "to": t.to_state,
+            "reason": t.reason,
+            "at": t.at,
+            "detail": t.detail,
+        }
+        logger.info(orjson.dumps(line).decode())
+
+    def _set_gauge(self, class_name: str, state: RouteState) -> None:
+        for s in STATES:
+            self.route_state.labels(class_name, s).set(1 if s == state else 0)
+
+    # -- config ----------------------------------------------------------------------------------------------
+
+    def _sync(self, now: float) -> None:
+        """Match the controllers to the current rules: a new or changed ``controller:`` block gets a new controller
+        (a changed one keeps the current state); a class that lost its block or is gone is forgotten."""
+        rules = self._rules()
+        kinds = {p.name: p.kind for p in rules.pools}
+        wanted: dict[str, tuple[ControllerConfig, str, str, RouteState]] = {}
+        for cls in rules.classes:
+            pair = candidates(rules, cls.name) if cls.controller is not None else None
+            if cls.controller is None or pair is None:
+                continue
+            home: RouteState = "speculative" if kinds.get(cls.route.preferred) == "speculative" else "standard"
+            wanted[cls.name] = (cls.controller, pair[0], pair[1], home)
+        for name in set(self._classes) - set(wanted):
+            del self._classes[name]
+            for s in STATES:
+                self.route_state.remove(name, s)
+        for name, (cfg, spec, std, home) in wanted.items():
+            old = self._classes.get(name)
+            if old is not None and old.controller.config == cfg and (old.spec_pool, old.std_pool) == (spec, std):
+                continue
+            initial = old.controller.state if old is not None else home
+            controller = Controller(name, cfg, initial=initial, now=now)
+            count = old.requests if old is not None else 0
+            self._classes[name] = _Class(controller, spec, std, now, requests=count, start_requests=count)
+            self._set_gauge(name, initial)
+
+    def snapshot(self, now: float | None = None) -> dict[str, dict[str, Any]]:
+        """Every controlled class's controller state and candidate pools, for /admin/state and explain."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, c in self._classes.items():
+            snap = c.controller.snapshot(now).as_dict()
+            snap["speculative_pool"], snap["standard_pool"] = c.spec_pool, c.std_pool
+            out[name] = snap
+        return out

@@ -1,0 +1,187 @@
+"""The controller end to end: the gateway in front of two simulated pools, a load step low → high → low.
+
+The "precise" class is at home on the speculative pool. Under high load that pool's queue grows until its expected
+delay is clearly above the standard pool's and the controller moves the class off it; once the load is low again
+the speculative pool is the faster one and the class comes back. Seen from the clients (``x-specgate-route``) and
+in ``/metrics`` (``specgate_controller_transitions_total``, ``specgate_class_route_state``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.sim.app import SimOptions
+from gateway.sim.server import SimServer
+from gateway.sim.wire import OutputLengths
+from tests.conftest import MODEL, ServerThread, rules_for
+
+pytestmark = pytest.mark.integration
+
+K = 4
+SPEC = f'{{"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "num_speculative_tokens": {K}}}'
+BATCH = 4  # --max-num-seqs: more concurrent clients than this queue
+LOW, HIGH = 1, 32  # concurrent clients
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Write a python function."}], "temperature": 0}
+
+
+def start(**overrides: Any) -> SimServer:
+    options: dict[str, Any] = {
+        "model": MODEL,
+        "port": 0,
+        "time_scale": 0.02,
+        "output_lengths": OutputLengths(median=300, sigma=0),
+        "max_num_seqs": BATCH,
+        "seed": 5,
+    }
+    options.update(overrides)
+    return SimServer(SimOptions(**options)).start()
+
+
+@pytest.fixture
+def sims() -> Iterator[tuple[SimServer, SimServer]]:
+    spec = start(speculative_config=SPEC, fixed_acceptance=0.8, per_request_spec_decode_metrics="summary")
+    std = start()
+    yield spec, std
+    spec.stop()
+    std.stop()
+
+
+def controlled_rules(spec_url: str, std_url: str) -> dict[str, Any]:
+    rules = rules_for([spec_url], [std_url], scrape={"interval_s": 0.25, "timeout_s": 0.25, "window_s": 1.0})
+    rules["classes"][0]["controller"] = {
+        "window_s": 1.0,
+        "min_samples": 2,
+        "min_hold_s": 1.0,
+        "exit_margin": 2.5,
+        "enter_margin": 0.9,
+        "acceptance_weight": 0.0,
+        "max_changes_per_hour": 60,
+        "safe_state": "speculative",
+    }
+    return rules
+
+
+class Load:
+    """``HIGH`` client threads; the first ``level`` of them send requests back to back, the others wait."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.level = 0
+        self.stop = threading.Event()
+        self.routes: list[tuple[float, str]] = []  # (time, x-specgate-route) of each answer
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def client(self, i: int) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self.stop.is_set():
+                if i >= self.level:
+                    time.sleep(0.01)
+                    continue
+                r = http.post(f"{self.url}/v1/chat/completions", json=BODY)
+                with self._lock:
+                    if r.status_code != 200:
+                        self.errors.append(f"{r.status_code}: {r.text[:200]}")
+                    self.routes.append((time.monotonic(), r.headers.get("x-specgate-route", "")))
+
+
+def transitions(url: str) -> dict[tuple[str, str, str], float]:
+    text = httpx.get(f"{url}/metrics").text
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "specgate_controller_transitions_total" and s.labels["class"] == "precise":
+                out[(s.labels["from"], s.labels["to"], s.labels["reason"])] = s.value
+    return out
+
+
+def route_state(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        s.labels["state"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "specgate_class_route_state" and s.labels["class"] == "precise"
+    }
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class Watcher:
+    """Polls ``specgate_class_route_state`` every 50 ms and keeps the moments (since ``t0``) the state changed."""
+
+    def __init__(self, url: str, t0: float) -> None:
+        self.url, self.t0 = url, t0
+        self.changes: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            current = next((s for s, v in route_state(self.url).items() if v == 1.0), "?")
+            if not self.changes or self.changes[-1][1] != current:
+                self.changes.append((round(time.monotonic() - self.t0, 2), current))
+            time.sleep(0.05)
+
+
+def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
+    sims: tuple[SimServer, SimServer], gateway: Callable[..., ServerThread]
+) -> None:
+    spec, std = sims
+    # generous health timeouts: on a busy CI machine a slow /health must not take the pools out of rotation
+    gw = gateway(controlled_rules(spec.url, std.url), health_interval_s=0.5, health_timeout_s=2.0)
+    load = Load(gw.url)
+    t0 = time.monotonic()
+    watcher = Watcher(gw.url, t0)
+    with ThreadPoolExecutor(HIGH + 1) as pool:
+        futures = [pool.submit(load.client, i) for i in range(HIGH)] + [pool.submit(watcher.run)]
+        try:
+            load.level = LOW
+            time.sleep(2.0)
+            assert transitions(gw.url) == {}  # low load: the class stays home
+            assert route_state(gw.url) == {"speculative": 1.0, "standard": 0.0}
+            high_at = time.monotonic() - t0
+            load.level = HIGH
+            moved_off = wait_for(lambda: ("speculative", "standard", "load") in transitions(gw.url), 4.0)
+            off_at = time.monotonic() - t0
+            assert moved_off, transitions(gw.url)
+            time.sleep(max(0.0, high_at + 4.0 - off_at))  # the rest of 4 s of high load
+            low_at = time.monotonic() - t0
+            load.level = LOW
+            back = wait_for(lambda: route_state(gw.url).get("speculative") == 1.0, 8.0)
+            assert back, transitions(gw.url)
+            settled = transitions(gw.url)
+            time.sleep(2.0)  # low load again: the class stays on the speculative pool
+            assert transitions(gw.url) == settled
+            assert route_state(gw.url) == {"speculative": 1.0, "standard": 0.0}
+        finally:
+            load.stop.set()
+            watcher.stop.set()
+        for f in futures:
+            f.result()
+    assert not load.errors, load.errors[:3]
+    moved = transitions(gw.url)
+    assert moved[("speculative", "standard", "load")] >= 1
+    assert moved[("standard", "speculative", "load_recovered")] >= 1
+    # every answer that came back before the load step came from the speculative pool
+    assert {r for t, r in load.routes if t - t0 < high_at} == {"controller:speculative"}
+    assert watcher.changes[0][1] == "speculative"
+    assert watcher.changes[-1][1] == "speculative"
+    print(
+        f"\nhigh at {high_at:.2f}s, low at {low_at:.2f}s; route state (seconds since start, state): "
+        f"{watcher.changes}; transitions {moved}"
+    )

@@ -1,0 +1,172 @@
+"""RoutingState: controllers fed with synthetic pool views → transitions, metrics and log lines."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from gateway.routing_state import RoutingState
+from gateway.rules.schema import RoutingRules
+from gateway.scrape import PoolLoadView
+
+
+def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRules:
+    ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, **(controller or {})}
+    return RoutingRules.model_validate(
+        {
+            "pools": [
+                {
+                    "name": "spec",
+                    "kind": "speculative",
+                    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
+                    "models": ["m"],
+                    "endpoints": [{"url": "http://spec:8000"}],
+                },
+                {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]},
+            ],
+            "classes": [
+                {"name": "code", "when": {"task_type": {"in": ["code"]}}, "route": route, "controller": ctl},
+                {"name": "default", "route": {"preferred": "std"}},
+            ],
+        }
+    )
+
+
+def view(pool: str, *, running: float = 1, waiting: float = 0, tpot: float = 0.01, stale: bool = False) -> PoolLoadView:
+    return PoolLoadView(
+        pool=pool,
+        endpoints=1,
+        fresh_endpoints=0 if stale else 1,
+        running=None if stale else running,
+        waiting=None if stale else waiting,
+        kv_usage=None,
+        acceptance=None,
+        tpot_mean_s=tpot,
+        generation_tokens_per_s=None,
+    )
+
+
+CALM = {"spec": view("spec"), "std": view("std")}
+FAST = {"spec": view("spec", tpot=0.005), "std": view("std")}  # speculation pays off: half the time per token
+BUSY = {"spec": view("spec", running=4, waiting=20), "std": view("std")}
+
+
+def state(r: RoutingRules, m: GatewayMetrics | None = None) -> tuple[RoutingState, GatewayMetrics]:
+    metrics = m or GatewayMetrics()
+    return RoutingState(lambda: r, metrics.registry, clock=lambda: 0.0), metrics
+
+
+def sample(m: GatewayMetrics, name: str, labels: dict[str, str]) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_initial_state_is_the_home_pools_kind_and_classes_without_a_controller_have_none() -> None:
+    rs, m = state(rules(preferred="spec", saturated="std"))
+    assert rs.state_of("code") == "speculative"
+    assert rs.state_of("default") is None
+    assert rs.state_for_request("default") is None
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) == 1
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "standard"}) == 0
+    home_std, _ = state(rules(preferred="std", saturated="spec"))
+    assert home_std.state_of("code") == "standard"
+
+
+def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    rs, m = state(rules(preferred="spec", saturated="std"))
+    rs.state_for_request("code")
+    assert rs.on_scrape_round(1.0, CALM) == []
+    rs.state_for_request("code")
+    with caplog.at_level(logging.INFO, logger="specgate.controller"):
+        (t,) = rs.on_scrape_round(2.0, BUSY)
+    assert (t.from_state, t.to_state, t.reason) == ("speculative", "standard", "load")
+    assert rs.state_of("code") == "standard"
+    labels = {"class": "code", "from": "speculative", "to": "standard", "reason": "load"}
+    assert sample(m, "specgate_controller_transitions_total", labels) == 1
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "standard"}) == 1
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) == 0
+    (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
+    line = orjson.loads(record.getMessage())
+    assert line["class"] == "code"
+    assert (line["from"], line["to"], line["reason"]) == ("speculative", "standard", "load")
+    # and back when the load is gone
+    rs.state_for_request("code")
+    (back,) = rs.on_scrape_round(3.0, FAST)
+    assert (back.to_state, back.reason) == ("speculative", "load_recovered")
+    assert rs.snapshot()["code"]["state"] == "speculative"
+
+
+def test_samples_are_the_class_requests_in_the_window() -> None:
+    rs, _ = state(rules({"min_samples": 3, "window_s": 10}, preferred="spec", saturated="std"))
+    rs.state_for_request("code")
+    rs.state_for_request("code")
+    assert rs.on_scrape_round(1.0, BUSY) == []  # 2 < 3: no decision
+    assert rs.snapshot()["code"]["holding"] == "min_samples"
+    rs.state_for_request("code")
+    assert [t.reason for t in rs.on_scrape_round(2.0, BUSY)] == ["load"]
+    # 20 s later those requests are out of the window: no decision, even back in the calm
+    assert rs.on_scrape_round(30.0, CALM) == []
+    assert rs.snapshot()["code"]["last_observation"]["samples"] == 0
+
+
+def test_stale_or_unscraped_pools_go_to_the_safe_state_never_read_as_zero() -> None:
+    rs, m = state(rules(preferred="spec", saturated="std"))
+    (t,) = rs.on_scrape_round(1.0, {})  # nothing scraped yet
+    assert (t.to_state, t.reason) == ("standard", "stale")
+    rs2, _ = state(rules(preferred="spec", saturated="std"))
+    (t2,) = rs2.on_scrape_round(1.0, {"spec": view("spec", stale=True), "std": view("std")})
+    assert t2.reason == "stale"
+    assert (
+        sample(m, "specgate_controller_transitions_total", {**_tr("speculative", "standard"), "reason": "stale"}) == 1
+    )
+
+
+def _tr(a: str, b: str) -> dict[str, str]:
+    return {"class": "code", "from": a, "to": b}
+
+
+def test_class_acceptance_comes_from_the_per_class_counters_of_the_window() -> None:
+    cfg = {"disable_below": 0.5, "disable_after_windows": 1}
+    rs, m = state(rules(cfg, preferred="spec", saturated="std"))
+    rs.state_for_request("code")
+    assert rs.on_scrape_round(1.0, CALM) == []  # the guard's first window starts
+    m.class_draft_tokens.labels("code").inc(100)
+    m.class_accepted_tokens.labels("code").inc(20)
+    rs.state_for_request("code")
+    (t,) = rs.on_scrape_round(2.0, CALM)
+    assert (t.to_state, t.reason) == ("standard", "acceptance_floor")
+    assert rs.snapshot()["code"]["last_observation"]["acceptance"] == pytest.approx(0.2)
+
+
+def test_an_idle_pool_borrows_the_other_candidates_tpot() -> None:
+    rs, _ = state(rules(preferred="spec", saturated="std"))
+    rs.state_for_request("code")
+    idle_std = {"spec": view("spec", tpot=0.001), "std": view("std", running=0, tpot=float("nan"))}
+    assert rs.on_scrape_round(1.0, idle_std) == []  # with the 30 ms default the idle pool would look faster
+    obs = rs.snapshot()["code"]["last_observation"]
+    assert obs["alt_delay_s"] == pytest.approx(0.001 * 257)
+
+
+def test_a_reload_without_the_controller_forgets_the_class() -> None:
+    current = [rules(preferred="spec", saturated="std")]
+    m = GatewayMetrics()
+    rs = RoutingState(lambda: current[0], m.registry, clock=lambda: 0.0)
+    assert rs.state_of("code") == "speculative"
+    plain = rules(preferred="spec", saturated="std").model_copy()
+    plain.classes[0] = plain.classes[0].model_copy(update={"controller": None})
+    current[0] = plain
+    assert rs.on_scrape_round(1.0, CALM) == []
+    assert rs.state_of("code") is None
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) is None
+
+
+def test_an_idle_pool_keeps_its_last_measured_tpot() -> None:
+    rs, _ = state(rules(preferred="spec", saturated="std"))
+    rs.on_scrape_round(1.0, {"spec": view("spec", tpot=0.004), "std": view("std", tpot=0.01)})
+    rs.on_scrape_round(2.0, {"spec": view("spec", running=0, tpot=float("nan")), "std": view("std", tpot=0.01)})
+    obs = rs.snapshot()["code"]["last_observation"]
+    assert obs["spec_delay_s"] == pytest.approx(0.004 * 257)
+    assert obs["alt_delay_s"] == pytest.approx(0.01 * 257)
