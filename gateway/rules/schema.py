@@ -12,7 +12,19 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import re2
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+
+def _int_to_float(v: object) -> object:
+    # The models are strict (no "0.5" strings for numbers), and strict mode also refuses an int for a float field:
+    # YAML authors write `lte: 512` and `weight: 2`.
+    if isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+Number = Annotated[float, BeforeValidator(_int_to_float)]
+OptionalNumber = Annotated[float | None, BeforeValidator(_int_to_float)]  # keeps `minimum` etc. in the JSON schema
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -54,18 +66,10 @@ class _Strict(BaseModel):
 class Range(_Strict):
     """A numeric condition: every bound given must hold. A missing ``max_tokens`` counts as +infinity."""
 
-    lt: float | None = None
-    lte: float | None = None
-    gt: float | None = None
-    gte: float | None = None
-
-    @field_validator("lt", "lte", "gt", "gte", mode="before")
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        # strict mode refuses int for float; YAML authors write `lte: 512`.
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
+    lt: OptionalNumber = None
+    lte: OptionalNumber = None
+    gt: OptionalNumber = None
+    gte: OptionalNumber = None
 
     @model_validator(mode="after")
     def _ordered(self) -> Range:
@@ -172,28 +176,28 @@ class ControllerConfig(_Strict):
     delay of the speculative pool with the standard one's; queue and batch limits are per fresh endpoint of the
     speculative pool."""
 
-    window_s: float = Field(30.0, gt=0, description="Observation window; the guard counts one window per window_s.")
+    window_s: Number = Field(30.0, gt=0, description="Observation window; the guard counts one window per window_s.")
     min_samples: int = Field(20, ge=1, description="Samples (class requests) in a window before any decision.")
-    exit_margin: float = Field(
+    exit_margin: Number = Field(
         1.25, gt=0, description="Leave the speculative pool when its expected delay > standard's x this ratio."
     )
-    enter_margin: float = Field(
+    enter_margin: Number = Field(
         0.9, gt=0, description="Come back when its expected delay < standard's x this ratio (below exit_margin)."
     )
-    acceptance_weight: float = Field(
+    acceptance_weight: Number = Field(
         0.5,
         ge=0,
         description="Both margins are multiplied by 1 + acceptance_weight x the class's last measured acceptance "
         "rate, so high-acceptance classes stay on the speculative pool longest (no measurement: no bonus).",
     )
-    max_queue_enter: float | None = Field(None, ge=0, description="Come back only with at most this queue.")
-    max_queue_exit: float | None = Field(None, ge=0, description="Leave above this queue if standard is faster.")
-    max_batch_enter: float | None = Field(None, ge=0, description="Come back only with at most this batch.")
-    max_batch_exit: float | None = Field(None, ge=0, description="Leave above this batch if standard is faster.")
-    min_hold_s: float = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
+    max_queue_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this queue.")
+    max_queue_exit: OptionalNumber = Field(None, ge=0, description="Leave above this queue if standard is faster.")
+    max_batch_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this batch.")
+    max_batch_exit: OptionalNumber = Field(None, ge=0, description="Leave above this batch if standard is faster.")
+    min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
     max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
     safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")
-    disable_below: float | None = Field(
+    disable_below: OptionalNumber = Field(
         None,
         ge=0,
         le=1,
@@ -204,36 +208,14 @@ class ControllerConfig(_Strict):
     disable_after_windows: int = Field(
         3, ge=1, description="Consecutive windows below the floor (or with regressed p95) that trip the guard."
     )
-    latency_regression_pct: float | None = Field(
+    latency_regression_pct: OptionalNumber = Field(
         None, gt=0, description="Trip the guard when p95 on the speculative pool exceeds the baseline by this %."
     )
-    baseline_p95_s: float | None = Field(None, gt=0, description="Recorded baseline p95 latency of the class.")
-    reenable_after_s: float = Field(600.0, ge=0, description="The guard's condition must be gone this long.")
+    baseline_p95_s: OptionalNumber = Field(None, gt=0, description="Recorded baseline p95 latency of the class.")
+    reenable_after_s: Number = Field(600.0, ge=0, description="The guard's condition must be gone this long.")
     max_reenables_per_day: int = Field(
         3, ge=0, description="Re-enables in 24 h; the next trip locks the class off until a person unlocks it."
     )
-
-    @field_validator(
-        "window_s",
-        "exit_margin",
-        "enter_margin",
-        "acceptance_weight",
-        "max_queue_enter",
-        "max_queue_exit",
-        "max_batch_enter",
-        "max_batch_exit",
-        "min_hold_s",
-        "disable_below",
-        "latency_regression_pct",
-        "baseline_p95_s",
-        "reenable_after_s",
-        mode="before",
-    )
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> ControllerConfig:
@@ -264,16 +246,9 @@ class TrafficClass(_Strict):
 
 
 class Timeouts(_Strict):
-    connect_s: float = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
-    first_byte_s: float = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
-    total_s: float = Field(600.0, gt=0, description="Whole request, streaming included.")
-
-    @field_validator("connect_s", "first_byte_s", "total_s", mode="before")
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
+    connect_s: Number = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
+    first_byte_s: Number = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
+    total_s: Number = Field(600.0, gt=0, description="Whole request, streaming included.")
 
     @model_validator(mode="after")
     def _ordered(self) -> Timeouts:
@@ -298,15 +273,8 @@ class Endpoint(_Strict):
         description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000",
         json_schema_extra={"pattern": "^https?://[^/?#]+"},  # for editors; the validator below decides
     )
-    weight: float = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
+    weight: Number = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
     id: Name | None = Field(None, description="Stable id (default: host:port of the URL).")
-
-    @field_validator("weight", mode="before")
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
 
     @field_validator("url")
     @classmethod
@@ -351,21 +319,14 @@ class Pool(_Strict):
 
 
 class Defaults(_Strict):
-    temperature: float = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
-    top_p: float = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
+    temperature: Number = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
+    top_p: Number = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
     task_type: TaskName = Field("chat", description="Task type when no header and no task rule applies.")
-    chars_per_token: float = Field(4.0, gt=0, description="For the approximate prompt size.")
+    chars_per_token: Number = Field(4.0, gt=0, description="For the approximate prompt size.")
     task_scan_chars: int = Field(
         16384, ge=256, description="Task-rule patterns see at most this many characters of a text (head and tail)."
     )
     max_attempts: int = Field(2, ge=1, le=10, description="Attempts per request across pools (before commit).")
-
-    @field_validator("temperature", "top_p", "chars_per_token", mode="before")
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
 
 
 PROMETHEUS_NAME = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
@@ -397,20 +358,13 @@ class MetricNames(_Strict):
 class Scrape(_Strict):
     """Scraping every endpoint's ``/metrics`` and ``/health`` (queue depth, batch size, KV usage, acceptance)."""
 
-    interval_s: float = Field(2.0, gt=0, description="Seconds between scrape rounds.")
-    timeout_s: float = Field(1.0, gt=0, description="Timeout of one scrape request (/metrics or /health).")
-    stale_after_s: float | None = Field(
+    interval_s: Number = Field(2.0, gt=0, description="Seconds between scrape rounds.")
+    timeout_s: Number = Field(1.0, gt=0, description="Timeout of one scrape request (/metrics or /health).")
+    stale_after_s: OptionalNumber = Field(
         None, gt=0, description="A sample older than this is stale (never read as 0); default 3 x interval_s."
     )
-    window_s: float = Field(60.0, gt=0, description="Sliding window for acceptance and TPOT (counter deltas).")
+    window_s: Number = Field(60.0, gt=0, description="Sliding window for acceptance and TPOT (counter deltas).")
     metric_names: MetricNames = Field(default_factory=MetricNames)
-
-    @field_validator("interval_s", "timeout_s", "stale_after_s", "window_s", mode="before")
-    @classmethod
-    def _int_is_number(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> Scrape:

@@ -46,7 +46,6 @@ from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCo
 __all__ = ["SimOptions", "SimState", "create_sim_app", "sim_state"]
 
 TASK_HEADER = "x-sim-task"
-_TRANSPORT_KEY = "sim.transport"
 _MAX_TRACKED_IDS = 100_000
 Outcome = Literal["completed", "aborted", "cut", "rejected", "error"]
 
@@ -253,7 +252,7 @@ class _GenerationCall(Response):
         self._created = int(time.time())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._transport = scope.get(_TRANSPORT_KEY)
+        self._transport = scope.get(wire.TRANSPORT_KEY)
         watcher = asyncio.create_task(_wait_for_disconnect(receive))
         worker = asyncio.create_task(self._work(send))
         try:
@@ -455,10 +454,7 @@ class _SimApp(Starlette):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        # uvicorn hands the app its RequestResponseCycle.send, a bound method whose owner holds the transport.
-        transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if transport is not None and callable(getattr(transport, "close", None)):
-            scope[_TRANSPORT_KEY] = transport
+        wire.remember_transport(scope, send)
         options = self.sim.options
         if options.api_keys and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
             auth = _header(scope, b"authorization") or ""

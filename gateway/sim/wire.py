@@ -19,7 +19,7 @@ import json
 import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import MappingProxyType
@@ -567,3 +567,16 @@ def guess_task(body: dict[str, Any]) -> str:
         if pattern.search(text):
             return task
     return "chat"
+
+
+TRANSPORT_KEY = "specgate.transport"
+
+
+def remember_transport(scope: MutableMapping[str, Any], send: Any) -> None:
+    """Keep uvicorn's transport in the scope, so that a fault can break the connection abruptly.
+
+    uvicorn hands the app its RequestResponseCycle.send, a bound method whose owner holds the transport; closing it
+    mid-body is what a crashed server looks like to a client (no chunked terminator, no [DONE])."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is not None and callable(getattr(transport, "close", None)):
+        scope[TRANSPORT_KEY] = transport

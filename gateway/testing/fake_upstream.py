@@ -64,7 +64,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.sim.wire import SSE_DONE, VLLM_VERSION, model_list, sse_error, stream_usage, usage
+from gateway.sim.wire import (
+    SSE_DONE,
+    TRANSPORT_KEY,
+    VLLM_VERSION,
+    model_list,
+    remember_transport,
+    sse_error,
+    stream_usage,
+    usage,
+)
 from gateway.sim.wire import error_body as _error_body
 from gateway.sim.wire import sse_event as _sse
 
@@ -88,7 +97,6 @@ NUM_SPEC_TOKENS = 4  # K of the pretend speculative config, for the per-request 
 EMBEDDING_DIM = 8
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
-_TRANSPORT_KEY = "fake_upstream.transport"
 
 Outcome = Literal["completed", "aborted", "broken", "error"]
 Kind = Literal["chat", "completion", "embedding"]
@@ -438,7 +446,7 @@ class _Generation(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         job, state = self._job, self._state
-        self._transport = scope.get(_TRANSPORT_KEY)
+        self._transport = scope.get(TRANSPORT_KEY)
         state.begin(job.model)
         watcher = asyncio.create_task(_wait_for_disconnect(receive))
         worker = asyncio.create_task(self._work(send))
@@ -701,10 +709,7 @@ class _FakeApp(Starlette):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        # uvicorn hands the app its RequestResponseCycle.send: a bound method whose owner holds the transport.
-        transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if transport is not None and callable(getattr(transport, "close", None)):
-            scope[_TRANSPORT_KEY] = transport
+        remember_transport(scope, send)
 
         chunks: list[bytes] = []
         gone = False
