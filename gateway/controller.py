@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from gateway.rules.schema import ControllerConfig
 from gateway.scrape import PoolLoadView
@@ -50,17 +50,7 @@ Reason = Literal[
     "locked",
     "manual",
 ]
-REASONS: tuple[Reason, ...] = (
-    "min_samples",
-    "load",
-    "load_recovered",
-    "stale",
-    "acceptance_floor",
-    "latency_regression",
-    "reenabled",
-    "locked",
-    "manual",
-)
+REASONS: tuple[Reason, ...] = get_args(Reason)
 SAFETY_REASONS: frozenset[Reason] = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
 LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenabled"})
 Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap"]

@@ -1,6 +1,7 @@
 """The vLLM simulator: vLLM 0.33 on the wire, speculative-decoding physics underneath (``specgate sim``).
 
-- ``physics``: presets, the per-step latency model, acceptance by temperature/task/method, token sampling (pure).
+- ``physics``: cost models, the per-step latency model, acceptance by temperature/task/method, token sampling (pure).
+- ``presets``: the modelled deployments (``--preset``).
 - ``engine``: one engine loop per server: continuous batching on a simulated clock (``time_scale``).
 - ``metrics``: vLLM's Prometheus metrics, exact names, types, labels and buckets.
 - ``wire`` / ``app`` / ``faults``: the HTTP surface of ``vllm serve``, fault injection, the ``/sim/*`` control API.

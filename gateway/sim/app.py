@@ -41,7 +41,8 @@ from gateway.sim.engine import Engine, EngineDead, Generation, GenRequest, Queue
 from gateway.sim.faults import MALFORMED_METRICS, Faults, FaultState, RequestFaults
 from gateway.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.sim.metrics import VllmMetrics
-from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCost, get_preset
+from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCost
+from gateway.sim.presets import get_preset
 
 __all__ = ["SimOptions", "SimState", "create_sim_app", "sim_state"]
 

@@ -25,7 +25,8 @@ import uvicorn
 
 from gateway.sim.app import SimOptions, SimState, create_sim_app, sim_state
 from gateway.sim.faults import Faults, parse_metrics_mode
-from gateway.sim.physics import AcceptanceModel, SpecConfig, get_preset, preset_names
+from gateway.sim.physics import AcceptanceModel, SpecConfig
+from gateway.sim.presets import get_preset, preset_names
 from gateway.sim.wire import OutputLengths
 
 __all__ = ["PHYSICS_KEYS", "SimServer", "acceptance_model", "physics_options", "run_sim", "sim_command"]

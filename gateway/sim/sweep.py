@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from gateway.sim.engine import Engine, GenRequest
 from gateway.sim.metrics import VllmMetrics
-from gateway.sim.physics import AcceptanceModel, SpecConfig, get_preset
+from gateway.sim.physics import AcceptanceModel, SpecConfig
+from gateway.sim.presets import get_preset
 
 
 @dataclass(frozen=True, slots=True)

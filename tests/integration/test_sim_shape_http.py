@@ -47,7 +47,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.app import SimOptions
-from gateway.sim.physics import get_preset
+from gateway.sim.presets import get_preset
 from gateway.sim.server import SimServer
 
 pytestmark = pytest.mark.integration

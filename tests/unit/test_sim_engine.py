@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim.engine import Engine, EngineDead, Generation, GenRequest, QueueFull
 from gateway.sim.metrics import VllmMetrics, observe_n
-from gateway.sim.physics import SpecConfig, get_preset
+from gateway.sim.physics import SpecConfig
+from gateway.sim.presets import get_preset
 
 DRAFT_K4 = '{"method": "draft_model", "model": "Qwama-0.5B", "num_speculative_tokens": 4}'
 

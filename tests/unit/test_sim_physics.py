@@ -15,12 +15,11 @@ from gateway.sim.physics import (
     SpecConfig,
     TargetCost,
     decode_speedup,
-    get_preset,
     mean_emitted,
-    preset_names,
     sample_accepted,
     step_time,
 )
+from gateway.sim.presets import get_preset, preset_names
 
 T = TargetCost(delta_s=0.01, gamma_s=1e-4, gamma_prefill_s=2e-4, alpha_s=1e-8, epsilon_s=1e-3)
 

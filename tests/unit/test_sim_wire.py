@@ -383,7 +383,8 @@ async def test_fault_draws_and_listening() -> None:
 
 
 def test_physics_and_acceptance_overrides() -> None:
-    from gateway.sim.physics import AcceptanceModel, get_preset
+    from gateway.sim.physics import AcceptanceModel
+    from gateway.sim.presets import get_preset
     from gateway.sim.server import acceptance_model, physics_options
 
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
