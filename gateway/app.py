@@ -17,12 +17,11 @@ from starlette.routing import Route
 
 from gateway.acceptance import temperature_band
 from gateway.classify import TASK_HEADER, Endpoint
-from gateway.decide import Plan, plan_route
+from gateway.decision import decide
 from gateway.errors import (
     GatewayError,
     InvalidJSON,
     MethodNotAllowed,
-    ModelNotFound,
     NoCapacity,
     PayloadTooLarge,
     RouteNotFound,
@@ -99,28 +98,12 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         raw = await _read_body(request, rt.settings.max_body_bytes)
         body = _parse_object(raw)
         live = rt.live
-        if endpoint is None:  # embeddings: one pool, named by the YAML
-            model = body.get("model")
-            pool_name = live.rules.embeddings_pool
-            if pool_name is None:
-                raise RouteNotFound("this gateway has no pool for embeddings")
-            if not isinstance(model, str) or model not in live.pools[pool_name].models:
-                raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-            rec.traffic_class = "embeddings"
-            plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
-            stream = False
-            max_attempts = 1
-        else:
-            c = live.classifier.classify(endpoint, body, request.headers.get(TASK_HEADER))
-            f = c.features
-            rec.traffic_class, rec.task_type, rec.stream = c.traffic_class.name, f.task_type, f.stream
-            extra += [("x-specgate-class", c.traffic_class.name), ("x-specgate-task-type", f.task_type)]
-            if f.model not in live.model_set:
-                raise ModelNotFound(f"The model `{f.model}` does not exist.", param="model")
-            route_state = rt.routing.state_for_request(c.traffic_class.name)  # counts the request for its controller
-            plan = plan_route(c.traffic_class.route, f.model, live.views(), route_state=route_state)
-            stream = f.stream
-            max_attempts = live.rules.defaults.max_attempts
+        d = decide(live, rt.routing, endpoint, body, request.headers.get(TASK_HEADER), rt.rng)
+        rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
+        if d.features is not None:
+            rec.task_type, rec.stream = d.features.task_type, d.features.stream
+            extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", d.features.task_type)]
+        d.check_model()
         rec.route_reason = plan.reason
         extra.append(("x-specgate-route", plan.reason))
         if plan.empty:

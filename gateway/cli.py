@@ -1,10 +1,11 @@
-"""The ``specgate`` command: serve | validate | demo (and more as the product grows).
+"""The ``specgate`` command: serve | validate | explain | demo | sim | bench (and more as the product grows).
 
 Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -74,6 +75,10 @@ def serve(
     log_level: Annotated[
         str, typer.Option(envvar="SPECGATE_LOG_LEVEL", help="debug | info | warning | error.")
     ] = "info",
+    admin_host: Annotated[
+        str, typer.Option(envvar="SPECGATE_ADMIN_HOST", help="Admin API address (token: SPECGATE_ADMIN_TOKEN).")
+    ] = "127.0.0.1",
+    admin_port: Annotated[int, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port (0: off).")] = 8081,
 ) -> None:
     """Start the gateway."""
     try:
@@ -88,6 +93,8 @@ def serve(
             health_interval_s=health_interval_s,
             health_timeout_s=health_timeout_s,
             log_level=log_level,  # type: ignore[arg-type]
+            admin_host=admin_host,
+            admin_port=admin_port,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
@@ -118,8 +125,18 @@ def run_server(settings: Settings) -> None:
         "timeout_graceful_shutdown": 30,
     }
     if settings.workers == 1:
-        uvicorn.run(application, **common)  # type: ignore[arg-type]
+        from gateway.serve import AdminSetupError, build_listeners
+
+        try:
+            listeners = build_listeners(application, settings, common)  # the admin listener too, unless port 0
+        except AdminSetupError as exc:
+            raise _fail(str(exc)) from exc
+        listeners.run()
     else:
+        if settings.admin_port:
+            logging.getLogger("specgate").warning(
+                "the admin API is not available with several workers yet (each has its own state): not started"
+            )
         os.environ.update(settings.to_env())
         # One view of the metrics across workers (gateway/metrics.py): a private directory for prometheus_client's
         # multiprocess mode, set before uvicorn spawns the workers (fresh interpreters, which import
@@ -179,6 +196,17 @@ def _register_sim() -> None:
 
 
 _register_sim()
+
+
+def _register_explain() -> None:
+    from gateway.admin_cli import explain_command
+
+    app.command("explain", help="Why a request would go where it goes: asks a running gateway's admin API.")(
+        explain_command
+    )
+
+
+_register_explain()
 
 bench_app = typer.Typer(help="Benchmarks that print numbers (run on a quiet machine).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

@@ -1,8 +1,17 @@
 """Per-class route-state controller: live measurements → speculative or standard pool, without flapping.
 
 Pure: no I/O, no clock (every call takes ``now``). One ``Controller`` per traffic class that has a ``controller:``
-block (``ControllerConfig``); the caller feeds it one ``Observation`` per scrape round and routes the class to its
-speculative candidate pool while ``state == "speculative"``, to the standard one otherwise.
+block (``ControllerConfig``); the caller feeds it one ``Observation`` per scrape round and sends the class's
+requests to its speculative candidate pool with probability ``share``, to the standard one otherwise.
+
+The class does not move as a whole: ``share`` moves in steps of ``share_step``, at most one step per ``window_s``
+(so each step's effect on the queues is seen before the next). A step against the previous one's direction is
+half as big, down to 1/8 of ``share_step``, so the share homes in on the balance instead of cycling around it; the
+third step in a row in one direction is twice as big again, up to ``share_step``, and the first step after
+``STEP_MEMORY_WINDOWS`` quiet windows is a full one, so a real change in load is followed quickly. The state is a
+label of the share: ``speculative`` (1), ``split`` (between) or ``standard`` (0). Under sustained load the share
+settles where the two pools' expected delays are within the hysteresis band, instead of the class alternating
+between the pools (moving it whole makes the other pool the loaded one). ``share_step: 1`` moves it whole.
 
 Decision order in ``observe`` (the first that applies wins):
 
@@ -16,16 +25,18 @@ Decision order in ``observe`` (the first that applies wins):
    stays there until no window showed the condition for ``reenable_after_s`` (a window without the measurement
    does not show it, so on the standard pool this is a timed retry). A trip when ``max_reenables_per_day``
    re-enables were already used in the last 24 h locks the class (reason ``locked``) until ``unlock`` / ``force``.
-5. load, with hysteresis: leave speculative when its expected delay > standard's x exit ratio, or when a queue/batch
-   exit limit is exceeded AND the standard pool is expected to be faster (never move to a slower pool); come back
-   when speculative's delay < standard's x enter ratio and queue/batch are within the enter limits. Both ratios are
-   multiplied by ``1 + acceptance_weight x acceptance`` (the class's last measured rate; none measured: factor 1),
-   so high-acceptance classes leave last and return first; enter < exit keeps the band at any acceptance.
+5. load, with hysteresis: one step away from speculative when its expected delay > standard's x exit ratio, or
+   when a queue/batch exit limit is exceeded AND the standard pool is expected to be faster (never move to a
+   slower pool); one step back when speculative's delay < standard's x enter ratio and queue/batch are within the
+   enter limits; in between, nothing changes. Both ratios are multiplied by ``1 + acceptance_weight x acceptance``
+   (the class's last measured rate; none measured: factor 1), so high-acceptance classes leave last and return
+   first; enter < exit keeps the band at any acceptance.
 
-Load moves (``load``, ``load_recovered``, ``reenabled``) wait ``min_hold_s`` after the previous transition and are
-refused while ``max_changes_per_hour`` automatic transitions happened in the last hour. Safety moves (``stale``,
-``acceptance_floor``, ``latency_regression``, ``locked``) happen at once and count toward the cap; with
-``safe_state: standard`` every safety move goes to standard, so flapping still needs load moves in between.
+Load steps (``load``, ``load_recovered``, ``reenabled``) wait ``window_s`` after the previous share change; a step
+that changes the state (a transition) also waits ``min_hold_s`` after the previous transition and is refused while
+``max_changes_per_hour`` automatic transitions happened in the last hour. Safety moves (``stale``,
+``acceptance_floor``, ``latency_regression``, ``locked``) go straight to share 0 or 1, at once, and count toward
+the cap; with ``safe_state: standard`` every safety move goes to standard, so flapping still needs load moves.
 """
 
 from __future__ import annotations
@@ -35,10 +46,10 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
-from gateway.rules.schema import ControllerConfig
+from gateway.rules.schema import ControllerConfig, PoolKind
 from gateway.scrape import PoolLoadView
 
-RouteState = Literal["speculative", "standard"]
+RouteState = Literal["speculative", "split", "standard"]
 Reason = Literal[
     "min_samples",
     "load",
@@ -53,10 +64,11 @@ Reason = Literal[
 REASONS: tuple[Reason, ...] = get_args(Reason)
 SAFETY_REASONS: frozenset[Reason] = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
 LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenabled"})
-Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap"]
+Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step"]
 HOUR_S = 3600.0
 DAY_S = 86400.0
 DEFAULT_OUTPUT_TOKENS = 256.0
+STEP_MEMORY_WINDOWS = 10  # a load step this many windows after the last one starts again with a full step
 
 
 def expected_delay(
@@ -134,6 +146,7 @@ class Transition:
     reason: Reason
     at: float
     detail: str = ""
+    share: float = 0.0  # the speculative share after the transition
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +155,9 @@ class ControllerSnapshot:
 
     class_name: str
     state: RouteState
-    since: float
+    share: float  # of the class's requests sent to the speculative pool first
+    since: float  # of the current state
+    share_since: float  # of the current share
     last_reason: Reason | None
     holding: Holding | None  # why the last observation changed nothing, if something held it
     guard_tripped: bool
@@ -186,12 +201,20 @@ class Controller:
         initial: RouteState = "speculative",
         now: float = 0.0,
         baseline_p95_s: float | None = None,
+        share: float | None = None,
     ) -> None:
         self.class_name = class_name
         self.config = config
         self.baseline_p95_s = baseline_p95_s if baseline_p95_s is not None else config.baseline_p95_s
-        self._state: RouteState = initial
+        if share is None:
+            share = {"speculative": 1.0, "split": 0.5, "standard": 0.0}[initial]
+        self._share = min(1.0, max(0.0, share))
         self._since = now
+        self._share_since = now
+        self._last_step: float | None = None  # the last automatic share change: steps are window_s apart
+        self._step = config.share_step  # the next step's size: halved on a reversal, grown back in one direction
+        self._direction = 0  # of the last load step: -1 toward standard, +1 toward speculative
+        self._run = 0  # load steps in a row in that direction
         self._last_reason: Reason | None = None
         self._holding: Holding | None = None
         self._changes: deque[float] = deque()  # times of automatic transitions in the last hour
@@ -203,7 +226,16 @@ class Controller:
 
     @property
     def state(self) -> RouteState:
-        return self._state
+        return _label(self._share)
+
+    @property
+    def share(self) -> float:
+        """The share of the class's requests sent to the speculative pool first."""
+        return self._share
+
+    @property
+    def _state(self) -> RouteState:
+        return _label(self._share)
 
     @property
     def locked(self) -> bool:
@@ -233,9 +265,9 @@ class Controller:
             g = self._guard
             if g.tripped:
                 g.clear_since = now  # clearance needs reenable_after_s of fresh windows
-            target: RouteState = "standard" if g.tripped or g.locked else self.config.safe_state
+            target: PoolKind = "standard" if g.tripped or g.locked else self.config.safe_state
             if target != self._state:
-                return self._move(target, "stale", now, "measurements missing or stale")
+                return self._move(_SHARE[target], "stale", now, "measurements missing or stale")
             return self._hold("stale")
         if obs.samples < self.config.min_samples:
             return self._hold("min_samples")
@@ -275,7 +307,7 @@ class Controller:
             c.latency_regression_pct is not None
             and self.baseline_p95_s is not None
             and obs.p95_s is not None
-            and self._state == "speculative"
+            and self._share > 0
         ):
             lat_bad = obs.p95_s > self.baseline_p95_s * (1.0 + c.latency_regression_pct / 100.0)
             g.latency_high = g.latency_high + 1 if lat_bad else 0
@@ -297,8 +329,8 @@ class Controller:
         if len(g.reenables) >= c.max_reenables_per_day:
             g.locked, reason = True, "locked"
             detail += f"; {len(g.reenables)} re-enables in 24 h: locked until a person unlocks it"
-        if self._state == "speculative":
-            return self._move("standard", reason, now, detail)
+        if self._share > 0:
+            return self._move(0.0, reason, now, detail)
         self._last_reason = reason
         return self._hold("locked" if g.locked else "guard")
 
@@ -308,34 +340,47 @@ class Controller:
         if spec is None or alt is None:  # _missing checked them; for the type checker
             return self._hold("stale")
         exit_ratio, enter_ratio = self.ratios()
-        target: RouteState = self._state
+        direction = 0
         detail = ""
-        if self._state == "speculative":
+        if self._share > 0:
             over = _over(obs.spec_queue, c.max_queue_exit) or _over(obs.spec_batch, c.max_batch_exit)
             if spec > alt * exit_ratio:
-                target, detail = "standard", f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
+                direction, detail = -1, f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
             elif over and alt < spec:
-                target, detail = "standard", f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
-        else:
+                direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
+        if direction == 0 and self._share < 1:
             within = not _over(obs.spec_queue, c.max_queue_enter) and not _over(obs.spec_batch, c.max_batch_enter)
             if spec < alt * enter_ratio and within:
-                target, detail = "speculative", f"delay {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
-        if target == self._state:
+                direction, detail = 1, f"delay {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
+        if direction == 0:
             self._holding = None
             return None
-        if now - self._since < c.min_hold_s:
-            return self._hold("hold")
-        if len(self._changes) >= c.max_changes_per_hour:
-            return self._hold("cap")
+        fresh = self._last_step is None or now - self._last_step > STEP_MEMORY_WINDOWS * c.window_s
+        if self._direction == 0 or fresh or c.share_step >= 1.0:  # share_step 1: whole-class moves, always
+            size, run = c.share_step, 1
+        elif direction != self._direction:
+            size, run = max(self._step / 2, c.share_step / 8), 1
+        else:
+            run = self._run + 1
+            size = min(self._step * 2, c.share_step) if run >= 3 else self._step
+        target = _clamp(self._share + direction * size)
+        if self._last_step is not None and now - self._last_step < c.window_s:
+            return self._hold("step")
+        if _label(target) != self._state:
+            if now - self._since < c.min_hold_s:
+                return self._hold("hold")
+            if len(self._changes) >= c.max_changes_per_hour:
+                return self._hold("cap")
         reason: Reason = "load"
-        if target == "speculative":
+        if direction > 0:
             reason = "reenabled" if self._guard.reenable_pending else "load_recovered"
+        self._step, self._direction, self._run = size, direction, run
         return self._move(target, reason, now, detail)
 
     # -- on-call ---------------------------------------------------------------------------------------------
 
     def force(
-        self, state: RouteState, now: float, reason: Reason = "manual", *, ttl_s: float | None = None
+        self, state: PoolKind, now: float, reason: Reason = "manual", *, ttl_s: float | None = None
     ) -> Transition | None:
         """Set the state by hand; ``ttl_s``: the controller changes nothing for that long (else min_hold_s applies
         as after any transition). Forcing ``speculative`` is a person re-enabling the class: it clears the guard and
@@ -346,7 +391,7 @@ class Controller:
         if state == self._state:
             self._last_reason = reason
             return None
-        return self._move(state, reason, now, "forced by on-call", automatic=False)
+        return self._move(_SHARE[state], reason, now, "forced by on-call", automatic=False)
 
     def unlock(self, now: float) -> None:
         """A person re-enables a locked (or tripped) class: guard, lock and re-enable count cleared; the next
@@ -359,14 +404,25 @@ class Controller:
 
     # -- bookkeeping -----------------------------------------------------------------------------------------
 
-    def _move(self, to: RouteState, reason: Reason, now: float, detail: str, *, automatic: bool = True) -> Transition:
-        t = Transition(self.class_name, self._state, to, reason, now, detail)
-        self._state, self._since, self._last_reason, self._holding = to, now, reason, None
+    def _move(
+        self, share: float, reason: Reason, now: float, detail: str, *, automatic: bool = True
+    ) -> Transition | None:
+        """Set the share; a transition when the state changes with it (None: a step within ``split``)."""
+        before = self._state
+        self._share, self._share_since, self._last_reason, self._holding = share, now, reason, None
+        if automatic:
+            self._last_step = now
+        after = self._state
+        if after == "speculative":
+            self._guard.reenable_pending = False
+        if reason not in LOAD_REASONS:  # after a safety or manual move the next load step is a full one
+            self._step, self._direction, self._run = self.config.share_step, 0, 0
+        if after == before:
+            return None
+        self._since = now
         if automatic:
             self._changes.append(now)
-        if to == "speculative":
-            self._guard.reenable_pending = False
-        return t
+        return Transition(self.class_name, before, after, reason, now, detail, share)
 
     def _hold(self, why: Holding) -> Transition | None:
         """Nothing changes; remember why (snapshot ``holding``)."""
@@ -388,7 +444,9 @@ class Controller:
         return ControllerSnapshot(
             class_name=self.class_name,
             state=self._state,
+            share=self._share,
             since=self._since,
+            share_since=self._share_since,
             last_reason=self._last_reason,
             holding=self._holding,
             guard_tripped=g.tripped,
@@ -404,6 +462,18 @@ class Controller:
             enter_ratio=enter_ratio,
             last_observation=self._last_obs,
         )
+
+
+_SHARE: dict[PoolKind, float] = {"speculative": 1.0, "standard": 0.0}
+
+
+def _label(share: float) -> RouteState:
+    return "speculative" if share >= 1.0 else "standard" if share <= 0.0 else "split"
+
+
+def _clamp(share: float) -> float:
+    """Into [0, 1], rounded so that steps of 0.1 add up to exactly 1."""
+    return min(1.0, max(0.0, round(share, 9)))
 
 
 def _finite(x: float | None) -> bool:

@@ -56,11 +56,15 @@ def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[s
     return by_kind if set(by_kind) == {"speculative", "standard"} else None
 
 
-def plan_route(route: Route, model: str, pools: Mapping[str, PoolView], *, route_state: str | None = None) -> Plan:
+def plan_route(
+    route: Route, model: str, pools: Mapping[str, PoolView], *, route_state: str | None = None, split: bool = False
+) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
-    ``route_state`` is the class controller's state (``"speculative"`` / ``"standard"``; None: no controller):
-    the candidate of that kind goes first, the other second, then the fallbacks (reason ``controller:<state>``).
+    ``route_state`` is the pool kind the class controller picked for this request (``"speculative"`` /
+    ``"standard"``; None: no controller): the candidate of that kind goes first, the other second, then the
+    fallbacks (reason ``controller:<kind>``, or ``controller:split:<kind>`` when ``split``: the controller sends
+    a share of the class to each pool and this request drew ``<kind>``).
     The in-flight saturation rule still applies on top while the controller picks ``route.preferred``: it reacts
     within a scrape interval, the controller only once per round. When the controller picks ``route.saturated``
     that pool is not checked (the limit is defined for the preferred pool only).
@@ -74,7 +78,7 @@ def plan_route(route: Route, model: str, pools: Mapping[str, PoolView], *, route
         second = route.saturated if first == route.preferred else route.preferred
         assert second is not None  # candidates exist only with route.saturated
         order = [first, second]
-        reason = f"controller:{route_state}"
+        reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
     if (
         (candidates is None or order[0] == route.preferred)
         and route.saturated is not None

@@ -120,8 +120,10 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                 wait_for_port(s.port)
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(demo_rules(rules, ports), sort_keys=False))
-            print(_banner(rules, ports, port), flush=True)
-            run_server(Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0))
+            admin_port = port + 1 if port < 65535 else port - 1
+            print(_banner(rules, ports, port, admin_port), flush=True)
+            settings = Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0, admin_port=admin_port)
+            run_server(settings)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -130,7 +132,7 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                     proc.wait(timeout=5)
 
 
-def _banner(rules: dict[str, Any], ports: dict[str, int], port: int) -> str:
+def _banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int) -> str:
     model = rules["pools"][0]["models"][0]
     pools = ", ".join(f"{p['name']} ({p.get('kind')}) on :{ports[p['name']]}" for p in rules["pools"])
     return f"""
@@ -146,6 +148,12 @@ simulated vLLM servers ({PRESET}): {pools}
   r = client.chat.completions.with_raw_response.create(model="{model}", max_tokens=64,
         messages=[{{"role": "user", "content": "Tell me a story"}}])
   print(r.headers["x-specgate-class"], r.headers["x-specgate-pool"], r.parse().choices[0].message.content)
+
+Why a request goes where it goes (admin API on http://127.0.0.1:{admin_port}/admin, read-only without a token):
+
+  echo '{{"model": "{model}", "temperature": 0.2,
+         "messages": [{{"role": "user", "content": "Write a Python function that reverses a list."}}]}}' \\
+    | specgate explain - --url http://127.0.0.1:{admin_port}
 
 Ctrl-C stops the gateway and the simulated servers.
 """

@@ -17,8 +17,11 @@ workers that died without one (killed, crashed). Single-process mode renders its
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
+import time
+from collections import deque
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -40,6 +43,26 @@ Outcome = Literal[
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class LatencyWindow:
+    """The last ``size`` latencies with their (monotonic) times; quantiles over a time window, exact (not bucketed:
+    the latency guard compares with a baseline within a few per cent, finer than the histogram's buckets)."""
+
+    __slots__ = ("_samples",)
+
+    def __init__(self, size: int = 2048) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def add(self, at: float, seconds: float) -> None:
+        self._samples.append((at, seconds))
+
+    def quantile(self, q: float, since: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the samples taken at or after ``since``; None without one."""
+        values = sorted(v for t, v in self._samples if t >= since)
+        if not values:
+            return None
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 class GatewayMetrics:
@@ -177,6 +200,7 @@ class GatewayMetrics:
             registry=r,
         )
         self.class_windows: dict[str, AcceptanceWindow] = {}
+        self.latency_windows: dict[tuple[str, str], LatencyWindow] = {}  # (class, pool): successful requests' E2E
 
     def share_across_workers(self, path: str) -> None:
         """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""
@@ -203,10 +227,20 @@ class GatewayMetrics:
         count, e2e, ttft, overhead = children
         count.inc()
         e2e.observe(e2e_s)
+        if outcome == "ok":
+            window = self.latency_windows.get((cls, pool))
+            if window is None:
+                window = self.latency_windows[(cls, pool)] = LatencyWindow()
+            window.add(time.monotonic(), e2e_s)
         if ttft_s is not None:
             ttft.observe(ttft_s)
         if overhead_s is not None:
             overhead.observe(overhead_s)
+
+    def latency_p95(self, cls: str, pool: str, since: float) -> float | None:
+        """p95 end-to-end latency of the class's successful requests on the pool since ``since`` (monotonic)."""
+        window = self.latency_windows.get((cls, pool))
+        return None if window is None else window.quantile(0.95, since)
 
     def observe_acceptance(self, cls: str, band: str, sample: SpecSample) -> None:
         """One request's spec-decode metrics: the class's window, its gauges, the histogram and the counters."""

@@ -14,10 +14,13 @@ and the standard one among ``route.preferred`` / ``route.saturated``; the loader
 - acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
   (``specgate_class_draft_tokens`` / ``specgate_class_accepted_draft_tokens``, fed from the responses of
   speculative pools); None while the class drafted nothing in the window (e.g. while it is on the standard pool);
-- p95: not measured yet (None), so the latency-regression guard does not act.
+- p95: the end-to-end p95 of the class's successful requests on its speculative pool over the window
+  (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
 Every transition increments ``specgate_controller_transitions_total{class,from,to,reason}``, moves the
-``specgate_class_route_state{class,state}`` gauge and logs one JSON line on the ``specgate.controller`` logger.
+``specgate_class_route_state{class,state}`` gauge, logs one JSON line on the ``specgate.controller`` logger and
+goes to ``on_transition`` (the audit log). A share step within ``split`` moves ``specgate_class_speculative_share``
+and logs a ``controller_step`` line.
 Not thread-safe: the event loop owns it. With several workers each process runs its own controllers.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -35,15 +39,24 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.controller import Controller, Observation, RouteState, Transition
-from gateway.rules.schema import ControllerConfig, RoutingRules
+from gateway.rules.schema import ControllerConfig, PoolKind, RoutingRules
 from gateway.scrape import PoolLoadView
 
 logger = logging.getLogger("specgate.controller")
 
 DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither candidate pool has a measurement
-STATES: tuple[RouteState, ...] = ("speculative", "standard")
+STATES: tuple[RouteState, ...] = ("speculative", "split", "standard")
 DRAFT_TOKENS = "specgate_class_draft_tokens"
 ACCEPTED_TOKENS = "specgate_class_accepted_draft_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """The controller's answer for one request of a class."""
+
+    state: RouteState  # the class's route state: speculative | split | standard
+    pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
+    share: float  # the class's share of requests sent to the speculative pool first
 
 
 @dataclass(slots=True)
@@ -82,10 +95,14 @@ class RoutingState:
         registry: CollectorRegistry,
         *,
         clock: Callable[[], float] = time.monotonic,
+        latency_p95: Callable[[str, str, float], float | None] | None = None,
+        on_transition: Callable[[Transition], object] | None = None,
     ) -> None:
         self._rules = rules
         self._registry = registry
         self._clock = clock
+        self._latency_p95 = latency_p95  # (class, pool, since) → p95 seconds
+        self._on_transition = on_transition
         self._classes: dict[str, _Class] = {}
         self._last_tpot: dict[str, float] = {}  # per pool: the last TPOT measured, for while it idles
         self.transitions = Counter(
@@ -97,8 +114,15 @@ class RoutingState:
         # Every worker runs its own controllers: the merge shows 1 for a state while any live worker has it.
         self.route_state = Gauge(
             "specgate_class_route_state",
-            "1 for the traffic class's current route state (speculative or standard), 0 for the other.",
+            "1 for the traffic class's current route state (speculative, split or standard), 0 for the others.",
             ["class", "state"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
+        self.share = Gauge(
+            "specgate_class_speculative_share",
+            "Share of the traffic class's requests the controller sends to the speculative pool first.",
+            ["class"],
             registry=registry,
             multiprocess_mode="livemax",
         )
@@ -111,13 +135,20 @@ class RoutingState:
         c = self._classes.get(class_name)
         return None if c is None else c.controller.state
 
-    def state_for_request(self, class_name: str) -> RouteState | None:
-        """``state_of``, counting one request of the class toward its controller's samples."""
+    def choose(self, class_name: str, rng: random.Random, *, count: bool = True) -> RouteChoice | None:
+        """The pool kind for one request of the class (None: the class has no controller). While the class is
+        split, the speculative pool is picked with probability ``share``. ``count``: the request counts toward
+        the controller's samples (explain passes False)."""
         c = self._classes.get(class_name)
         if c is None:
             return None
-        c.requests += 1
-        return c.controller.state
+        if count:
+            c.requests += 1
+        ctl = c.controller
+        state, share = ctl.state, ctl.share
+        pick: PoolKind
+        pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
+        return RouteChoice(state, pick, share)
 
     # -- the scrape round ------------------------------------------------------------------------------------
 
@@ -138,26 +169,44 @@ class RoutingState:
             _, base_requests, base_drafted, base_accepted = c.history[0]
             d_drafted = drafted.get(name, 0.0) - base_drafted
             acceptance = (accepted.get(name, 0.0) - base_accepted) / d_drafted if d_drafted > 0 else None
+            p95 = None if self._latency_p95 is None else self._latency_p95(name, c.spec_pool, now - cfg.window_s)
             obs = self._observation(
-                views.get(c.spec_pool), views.get(c.std_pool), samples=c.requests - base_requests, acceptance=acceptance
+                views.get(c.spec_pool),
+                views.get(c.std_pool),
+                samples=c.requests - base_requests,
+                acceptance=acceptance,
+                p95_s=p95,
             )
+            before = c.controller.share
             t = c.controller.observe(now, obs)
             if t is not None:
                 self._record(t)
                 out.append(t)
+            elif c.controller.share != before:
+                self._step(name, before, c.controller)
         return out
 
     def _observation(
-        self, spec: PoolLoadView | None, std: PoolLoadView | None, *, samples: int, acceptance: float | None
+        self,
+        spec: PoolLoadView | None,
+        std: PoolLoadView | None,
+        *,
+        samples: int,
+        acceptance: float | None,
+        p95_s: float | None,
     ) -> Observation:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
-            return Observation(samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, stale=True)
+            return Observation(
+                samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
+            )
         spec_tpot, std_tpot = self._tpot(spec), self._tpot(std)
         # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
         # was under load), else the other candidate's, else the default.
         spec = replace(spec, tpot_mean_s=spec_tpot if spec_tpot is not None else std_tpot)
         std = replace(std, tpot_mean_s=std_tpot if std_tpot is not None else spec_tpot)
-        return Observation.from_views(spec, std, samples=samples, tpot_fallback_s=DEFAULT_TPOT_S, acceptance=acceptance)
+        return Observation.from_views(
+            spec, std, samples=samples, tpot_fallback_s=DEFAULT_TPOT_S, acceptance=acceptance, p95_s=p95_s
+        )
 
     def _tpot(self, view: PoolLoadView) -> float | None:
         """The pool's TPOT over the scrape window, else the last one measured (remembered per pool)."""
@@ -182,21 +231,39 @@ class RoutingState:
 
     def _record(self, t: Transition) -> None:
         self.transitions.labels(t.class_name, t.from_state, t.to_state, t.reason).inc()
-        self._set_gauge(t.class_name, t.to_state)
+        self._set_gauge(t.class_name, t.to_state, t.share)
         line = {
             "event": "controller_transition",
             "class": t.class_name,
             "from": t.from_state,
             "to": t.to_state,
             "reason": t.reason,
+            "share": t.share,
             "at": t.at,
             "detail": t.detail,
         }
         logger.info(orjson.dumps(line).decode())
+        if self._on_transition is not None:
+            self._on_transition(t)
 
-    def _set_gauge(self, class_name: str, state: RouteState) -> None:
+    def _step(self, class_name: str, before: float, controller: Controller) -> None:
+        """A share step within ``split``: the share gauge and a log line (not a transition)."""
+        self.share.labels(class_name).set(controller.share)
+        snap = controller.snapshot()
+        line = {
+            "event": "controller_step",
+            "class": class_name,
+            "share_from": before,
+            "share": controller.share,
+            "reason": snap.last_reason,
+            "at": snap.share_since,
+        }
+        logger.info(orjson.dumps(line).decode())
+
+    def _set_gauge(self, class_name: str, state: RouteState, share: float) -> None:
         for s in STATES:
             self.route_state.labels(class_name, s).set(1 if s == state else 0)
+        self.share.labels(class_name).set(share)
 
     # -- config ----------------------------------------------------------------------------------------------
 
@@ -216,15 +283,16 @@ class RoutingState:
             del self._classes[name]
             for s in STATES:
                 self.route_state.remove(name, s)
+            self.share.remove(name)
         for name, (cfg, spec, std, home) in wanted.items():
             old = self._classes.get(name)
             if old is not None and old.controller.config == cfg and (old.spec_pool, old.std_pool) == (spec, std):
                 continue
-            initial = old.controller.state if old is not None else home
-            controller = Controller(name, cfg, initial=initial, now=now)
+            share = old.controller.share if old is not None else None
+            controller = Controller(name, cfg, initial=home, share=share, now=now)
             count = old.requests if old is not None else 0
             self._classes[name] = _Class(controller, spec, std, now, requests=count, start_requests=count)
-            self._set_gauge(name, initial)
+            self._set_gauge(name, controller.state, controller.share)
 
     def snapshot(self, now: float | None = None) -> dict[str, dict[str, Any]]:
         """Every controlled class's controller state and candidate pools, for /admin/state and explain."""

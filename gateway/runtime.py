@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.audit import AuditLog, AuditRecord
 from gateway.classify import Classifier
+from gateway.controller import Transition
 from gateway.decide import PoolView
 from gateway.errors import Unauthorized
 from gateway.health import HealthChecker
@@ -96,6 +98,7 @@ class Runtime:
         self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
         self.started_at = int(time.time())
+        self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         self.health = HealthChecker(
@@ -105,7 +108,12 @@ class Runtime:
             timeout_s=settings.health_timeout_s,
         )
         # The route state of the classes with a ``controller:`` block, fed after every scrape round.
-        self.routing = RoutingState(lambda: self.live.rules, self.metrics.registry)
+        self.routing = RoutingState(
+            lambda: self.live.rules,
+            self.metrics.registry,
+            latency_p95=self.metrics.latency_p95,
+            on_transition=self._audit_transition,
+        )
         self.scraper = Scraper(
             lambda: self.live.pools.values(),
             lambda: self.live.rules.scrape,
@@ -113,6 +121,12 @@ class Runtime:
             on_round=self.routing.on_scrape_round,
         )
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _audit_transition(self, t: Transition) -> None:
+        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
+        self.audit.append(
+            AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Runtime:

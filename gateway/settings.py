@@ -33,10 +33,16 @@ class Settings:
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
     log_level: LogLevel = "info"
+    admin_host: str = "127.0.0.1"  # the admin API listener (gateway/admin.py); its token is SPECGATE_ADMIN_TOKEN
+    admin_port: int = 8081  # 0: no admin listener
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be 1..65535, got {self.port}")
+        if not 0 <= self.admin_port < 65536:
+            raise SettingsError(f"admin_port must be 0 (off) or 1..65535, got {self.admin_port}")
+        if self.admin_port == self.port:
+            raise SettingsError(f"admin_port must differ from port ({self.port}); 0 turns the admin listener off")
         if self.workers < 1:
             raise SettingsError(f"workers must be >= 1, got {self.workers}")
         if self.max_body_bytes < 1024:
@@ -58,7 +64,7 @@ class Settings:
             if f.name == "rules" or raw is None or raw == "":
                 continue
             try:
-                if f.name in ("port", "workers", "max_body_bytes"):
+                if f.name in ("port", "workers", "max_body_bytes", "admin_port"):
                     kw[f.name] = int(raw)
                 elif f.name in ("health_interval_s", "health_timeout_s"):
                     kw[f.name] = float(raw)

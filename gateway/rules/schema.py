@@ -194,6 +194,13 @@ class ControllerConfig(_Strict):
     max_queue_exit: OptionalNumber = Field(None, ge=0, description="Leave above this queue if standard is faster.")
     max_batch_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this batch.")
     max_batch_exit: OptionalNumber = Field(None, ge=0, description="Leave above this batch if standard is faster.")
+    share_step: Number = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="The class's share of requests on the speculative pool moves in steps of this size, at most one "
+        "per window_s, and settles where the pools' delays balance; 1 moves the class as a whole.",
+    )
     min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
     max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
     safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")

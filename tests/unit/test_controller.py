@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -36,6 +37,7 @@ BASE: dict[str, Any] = {
     "disable_after_windows": 3,
     "reenable_after_s": 60.0,
     "max_reenables_per_day": 2,
+    "share_step": 1.0,  # whole-class moves; the split tests set their own step
 }
 
 
@@ -349,9 +351,10 @@ observations = st.builds(
     cap=st.integers(1, 6),
     safe=st.sampled_from(["standard", "speculative"]),
     queues=st.booleans(),
+    step=st.sampled_from([0.25, 0.5, 1.0]),
 )
 def test_transitions_respect_the_cap_and_the_hold_time(
-    seq: list[tuple[float, Observation]], hold: float, cap: int, safe: RouteState, queues: bool
+    seq: list[tuple[float, Observation]], hold: float, cap: int, safe: RouteState, queues: bool, step: float
 ) -> None:
     """Load moves never come within min_hold_s of the previous transition nor past the cap. Safety moves (stale,
     guard, lock) are exempt from both; with safe_state standard all of them go to standard, so there are at most
@@ -365,6 +368,7 @@ def test_transitions_respect_the_cap_and_the_hold_time(
         latency_regression_pct=30.0,
         reenable_after_s=100.0,
         acceptance_weight=0.5,
+        share_step=step,
         **(extra if queues else {}),
     )
     c = Controller("c", config, baseline_p95_s=3.0)
@@ -389,3 +393,118 @@ def test_transitions_respect_the_cap_and_the_hold_time(
         if t.to_state == "speculative" and t.reason in SAFETY_REASONS:
             assert t.reason == "stale"
             assert safe == "speculative"
+        if t.reason in SAFETY_REASONS:  # safety moves go all the way, never to a split
+            assert t.to_state != "split"
+        assert 0.0 <= t.share <= 1.0
+        assert t.share == {"speculative": 1.0, "standard": 0.0}.get(t.to_state, t.share)
+
+
+# -- splitting a class between the pools ---------------------------------------------------------------------
+
+
+def split_cfg(**kw: Any) -> ControllerConfig:
+    return cfg(share_step=0.25, min_hold_s=0.0, max_changes_per_hour=100, **kw)
+
+
+def test_the_share_moves_one_step_per_window_and_the_state_is_its_label() -> None:
+    c = Controller("json", split_cfg())
+    busy = ob(2.0, 1.0)  # speculative clearly slower by the estimate
+    [t] = drive(c, [busy])
+    assert (t.from_state, t.to_state, t.reason, t.share) == ("speculative", "split", "load", 0.75)
+    # the next round, 2 s later, is within the window (10 s): no second step yet
+    assert drive(c, [busy], t0=2) == []
+    assert c.share == 0.75
+    assert c.snapshot().holding == "step"
+    assert drive(c, [busy], t0=10) == []
+    assert c.share == 0.5
+    assert drive(c, [busy], t0=20) == []
+    assert c.share == 0.25
+    [t] = drive(c, [busy], t0=30)
+    assert (t.from_state, t.to_state, t.share) == ("split", "standard", 0.0)
+    # and back once the speculative pool is faster: the first step against the last direction is half as big,
+    # the third in a row twice as big again
+    calm = ob(0.5, 1.0)
+    [t] = drive(c, [calm], t0=40)
+    assert (t.from_state, t.to_state, t.reason, t.share) == ("standard", "split", "load_recovered", 0.125)
+    drive(c, [calm], t0=50)
+    assert c.share == 0.25
+    drive(c, [calm], t0=60)
+    assert c.share == 0.5
+    [t] = drive(c, [calm, calm], t0=70, dt=10)
+    assert (t.to_state, t.share, t.at) == ("speculative", 1.0, 80)
+    # after ten quiet windows a new load step starts with a full step again
+    [t] = drive(c, [ob(2.0, 1.0)], t0=200)
+    assert t.share == 0.75
+
+
+def test_within_the_band_the_share_stays_put() -> None:
+    c = Controller("json", split_cfg())
+    drive(c, [ob(2.0, 1.0)])
+    assert c.share == 0.75
+    assert drive(c, [ob(1.1, 1.0), ob(0.95, 1.0), ob(1.25, 1.0)], t0=10, dt=10) == []  # 0.9 < ratio < 1.3
+    assert c.share == 0.75
+    assert c.snapshot().holding is None
+
+
+def balanced_run(c: Controller, *, acceptance: float | None = None, rounds: int = 200) -> list[float]:
+    """Two equal pools whose expected delay grows with the share of a heavy class sent to each: the speculative
+    pool (K=4, high load) is 1.6x slower per unit of load. Returns the share after every round."""
+    shares = []
+    for i in range(rounds):
+        spec = 0.5 + 3.2 * c.share
+        alt = 0.5 + 2.0 * (1.0 - c.share)
+        c.observe(i * 5.0, ob(spec, alt, acc=acceptance))
+        shares.append(c.share)
+    return shares
+
+
+def test_under_sustained_load_the_class_settles_in_a_split_instead_of_alternating() -> None:
+    whole = Controller("json", cfg(min_hold_s=0.0, max_changes_per_hour=100))  # share_step 1: moves as a whole
+    split = Controller("json", split_cfg())
+    whole_shares, split_shares = balanced_run(whole), balanced_run(split)
+    flips = sum(1 for a, b in itertools.pairwise(whole_shares) if a != b)
+    assert flips > 50  # each whole move makes the other pool the loaded one: it alternates every window
+    late = split_shares[20:]
+    assert set(late) == {late[0]}
+    assert 0.0 < late[0] < 1.0
+    spec, alt = 0.5 + 3.2 * late[0], 0.5 + 2.0 * (1 - late[0])
+    assert 0.9 * alt <= spec <= 1.3 * alt  # the delays are within the band
+
+
+def test_high_acceptance_classes_keep_a_larger_share_under_the_same_load() -> None:
+    high = balanced_run(Controller("json", split_cfg(acceptance_weight=0.5)), acceptance=0.9)[-1]
+    low = balanced_run(Controller("creative", split_cfg(acceptance_weight=0.5)), acceptance=0.1)[-1]
+    assert high > low
+
+
+def test_safety_moves_leave_a_split_all_the_way() -> None:
+    c = Controller("json", split_cfg())
+    drive(c, [ob(2.0, 1.0)])
+    [t] = drive(c, [ob(stale=True)], t0=5)
+    assert (t.from_state, t.to_state, t.reason, t.share) == ("split", "standard", "stale", 0.0)
+    c2 = Controller("json", split_cfg(safe_state="speculative"))
+    drive(c2, [ob(2.0, 1.0)])
+    [t2] = drive(c2, [ob(None, 1.0)], t0=5)
+    assert (t2.to_state, t2.share) == ("speculative", 1.0)
+    c3 = Controller("json", split_cfg(disable_after_windows=1))
+    drive(c3, [ob(2.0, 1.0)])
+    [t3] = drive(c3, [ob(1.0, 1.0, acc=0.1)], t0=10)
+    assert (t3.from_state, t3.to_state, t3.reason) == ("split", "standard", "acceptance_floor")
+
+
+def test_latency_guard_watches_a_split_class_too() -> None:
+    c = Controller("json", split_cfg(latency_regression_pct=20, disable_after_windows=2), baseline_p95_s=2.0)
+    drive(c, [ob(2.0, 1.0)])
+    assert c.state == "split"
+    trs = drive(c, [ob(1.0, 1.0, p95=2.6)] * 3, t0=10, dt=10)
+    assert [(t.to_state, t.reason) for t in trs] == [("standard", "latency_regression")]
+
+
+def test_a_forced_state_overrides_a_split() -> None:
+    c = Controller("json", split_cfg())
+    drive(c, [ob(2.0, 1.0)])
+    t = c.force("standard", 5.0, ttl_s=60)
+    assert t is not None
+    assert (t.from_state, t.to_state, t.share) == ("split", "standard", 0.0)
+    assert drive(c, [ob(0.1, 1.0)], t0=10) == []
+    assert c.snapshot().holding == "forced"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import orjson
@@ -15,7 +16,7 @@ from gateway.scrape import PoolLoadView
 
 
 def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRules:
-    ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, **(controller or {})}
+    ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 1, **(controller or {})}
     return RoutingRules.model_validate(
         {
             "pools": [
@@ -34,6 +35,9 @@ def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRule
             ],
         }
     )
+
+
+RNG = random.Random(1)
 
 
 def view(pool: str, *, running: float = 1, waiting: float = 0, tpot: float = 0.01, stale: bool = False) -> PoolLoadView:
@@ -68,7 +72,7 @@ def test_initial_state_is_the_home_pools_kind_and_classes_without_a_controller_h
     rs, m = state(rules(preferred="spec", saturated="std"))
     assert rs.state_of("code") == "speculative"
     assert rs.state_of("default") is None
-    assert rs.state_for_request("default") is None
+    assert rs.choose("default", RNG) is None
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) == 1
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "standard"}) == 0
     home_std, _ = state(rules(preferred="std", saturated="spec"))
@@ -77,9 +81,9 @@ def test_initial_state_is_the_home_pools_kind_and_classes_without_a_controller_h
 
 def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: pytest.LogCaptureFixture) -> None:
     rs, m = state(rules(preferred="spec", saturated="std"))
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     assert rs.on_scrape_round(1.0, CALM) == []
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     with caplog.at_level(logging.INFO, logger="specgate.controller"):
         (t,) = rs.on_scrape_round(2.0, BUSY)
     assert (t.from_state, t.to_state, t.reason) == ("speculative", "standard", "load")
@@ -93,7 +97,7 @@ def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: p
     assert line["class"] == "code"
     assert (line["from"], line["to"], line["reason"]) == ("speculative", "standard", "load")
     # and back when the load is gone
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     (back,) = rs.on_scrape_round(3.0, FAST)
     assert (back.to_state, back.reason) == ("speculative", "load_recovered")
     assert rs.snapshot()["code"]["state"] == "speculative"
@@ -101,11 +105,11 @@ def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: p
 
 def test_samples_are_the_class_requests_in_the_window() -> None:
     rs, _ = state(rules({"min_samples": 3, "window_s": 10}, preferred="spec", saturated="std"))
-    rs.state_for_request("code")
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
+    rs.choose("code", RNG)
     assert rs.on_scrape_round(1.0, BUSY) == []  # 2 < 3: no decision
     assert rs.snapshot()["code"]["holding"] == "min_samples"
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     assert [t.reason for t in rs.on_scrape_round(2.0, BUSY)] == ["load"]
     # 20 s later those requests are out of the window: no decision, even back in the calm
     assert rs.on_scrape_round(30.0, CALM) == []
@@ -131,11 +135,11 @@ def _tr(a: str, b: str) -> dict[str, str]:
 def test_class_acceptance_comes_from_the_per_class_counters_of_the_window() -> None:
     cfg = {"disable_below": 0.5, "disable_after_windows": 1}
     rs, m = state(rules(cfg, preferred="spec", saturated="std"))
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     assert rs.on_scrape_round(1.0, CALM) == []  # the guard's first window starts
     m.class_draft_tokens.labels("code").inc(100)
     m.class_accepted_tokens.labels("code").inc(20)
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     (t,) = rs.on_scrape_round(2.0, CALM)
     assert (t.to_state, t.reason) == ("standard", "acceptance_floor")
     assert rs.snapshot()["code"]["last_observation"]["acceptance"] == pytest.approx(0.2)
@@ -143,7 +147,7 @@ def test_class_acceptance_comes_from_the_per_class_counters_of_the_window() -> N
 
 def test_an_idle_pool_borrows_the_other_candidates_tpot() -> None:
     rs, _ = state(rules(preferred="spec", saturated="std"))
-    rs.state_for_request("code")
+    rs.choose("code", RNG)
     idle_std = {"spec": view("spec", tpot=0.001), "std": view("std", running=0, tpot=float("nan"))}
     assert rs.on_scrape_round(1.0, idle_std) == []  # with the 30 ms default the idle pool would look faster
     obs = rs.snapshot()["code"]["last_observation"]
@@ -170,3 +174,66 @@ def test_an_idle_pool_keeps_its_last_measured_tpot() -> None:
     obs = rs.snapshot()["code"]["last_observation"]
     assert obs["spec_delay_s"] == pytest.approx(0.004 * 257)
     assert obs["alt_delay_s"] == pytest.approx(0.01 * 257)
+
+
+def test_a_split_class_sends_its_share_to_the_speculative_pool_with_a_gauge_and_a_step_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rs, m = state(rules({"share_step": 0.25}, preferred="spec", saturated="std"))
+    rs.choose("code", RNG)
+    (t,) = rs.on_scrape_round(1.0, BUSY)
+    assert (t.from_state, t.to_state, t.share) == ("speculative", "split", 0.75)
+    assert sample(m, "specgate_class_route_state", {"class": "code", "state": "split"}) == 1
+    assert sample(m, "specgate_class_speculative_share", {"class": "code"}) == 0.75
+    picks = [rs.choose("code", RNG) for _ in range(4000)]
+    assert all(p is not None and p.state == "split" and p.share == 0.75 for p in picks)
+    spec_share = sum(1 for p in picks if p is not None and p.pick == "speculative") / len(picks)
+    assert spec_share == pytest.approx(0.75, abs=0.03)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specgate.controller"):
+        assert rs.on_scrape_round(2.0, BUSY) == []  # a step within split: not a transition
+    assert sample(m, "specgate_class_speculative_share", {"class": "code"}) == 0.5
+    (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
+    line = orjson.loads(record.getMessage())
+    assert (line["event"], line["share_from"], line["share"], line["reason"]) == ("controller_step", 0.75, 0.5, "load")
+    # explain-style lookups do not count toward the samples
+    before = rs.snapshot()["code"]["last_observation"]["samples"]
+    rs.choose("code", RNG, count=False)
+    rs.on_scrape_round(2.5, CALM)
+    assert rs.snapshot()["code"]["last_observation"]["samples"] == before
+
+
+def test_the_latency_guard_reads_the_class_p95_on_its_speculative_pool() -> None:
+    asked: list[tuple[str, str, float]] = []
+
+    def p95(cls: str, pool: str, since: float) -> float | None:
+        asked.append((cls, pool, since))
+        return 9.0
+
+    cfg = {"latency_regression_pct": 20, "baseline_p95_s": 3.0, "disable_after_windows": 1, "window_s": 1}
+    m = GatewayMetrics()
+    seen: list[Any] = []
+    rs = RoutingState(
+        lambda: rules(cfg, preferred="spec", saturated="std"),
+        m.registry,
+        clock=lambda: 0.0,
+        latency_p95=p95,
+        on_transition=seen.append,
+    )
+    rs.choose("code", RNG)
+    assert rs.on_scrape_round(1.0, CALM) == []
+    rs.choose("code", RNG)
+    (t,) = rs.on_scrape_round(2.0, CALM)
+    assert (t.to_state, t.reason) == ("standard", "latency_regression")
+    assert asked[-1] == ("code", "spec", 1.0)  # the class, its speculative pool, the window
+    assert seen == [t]  # the audit hook
+
+
+def test_gateway_latency_window_p95() -> None:
+    m = GatewayMetrics()
+    for i in range(100):
+        m.observe_request("code", "spec", "ok", (i + 1) / 100, None, None)
+    m.observe_request("code", "spec", "upstream_error", 50.0, None, None)  # failures do not count
+    assert m.latency_p95("code", "spec", since=0.0) == pytest.approx(0.95)
+    assert m.latency_p95("code", "std", since=0.0) is None
+    assert m.latency_p95("code", "spec", since=float("inf")) is None
