@@ -228,6 +228,31 @@ def bench_overhead_cmd(
     out.print(render(rows), highlight=False, soft_wrap=True)
 
 
+@bench_app.command("controller")
+def bench_controller_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML; its pools get simulated servers.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+    phases: Annotated[
+        str, typer.Option(help="Load phases, name:requests-per-second:seconds, comma-separated.")
+    ] = "low:10:15,high:80:40,low:10:30",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.05,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 4,
+    output_len: Annotated[int, typer.Option(help="Median answer length of the simulated servers (tokens).")] = 200,
+) -> None:
+    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions and
+    per-class acceptance."""
+    from gateway.bench.controller import bench_controller, parse_phases, render
+
+    try:
+        run, spec_pools = bench_controller(
+            rules, parse_phases(phases), time_scale=time_scale, max_num_seqs=max_num_seqs, output_len=output_len
+        )
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render(run, spec_pools), highlight=False, soft_wrap=True)
+
+
 @bench_app.command("classify")
 def bench_classify_cmd(
     rules: Annotated[Path, typer.Option(help="Routing YAML.")] = Path("routing_rules/default.yaml"),

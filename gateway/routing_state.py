@@ -8,7 +8,8 @@ and the standard one among ``route.preferred`` / ``route.saturated``; the loader
 
 - samples: the class's requests routed by this process in the last ``controller.window_s`` (counted by
   ``state_for_request``, differenced against per-round snapshots);
-- expected delays, queue and batch from the scraped ``PoolLoadView``\\ s; a pool without a TPOT measurement in
+- expected delays, queue and batch from the scraped ``PoolLoadView``\\ s, averaged over the fresh rounds of the
+  window (one scrape of a queue is noise); a pool without a TPOT measurement in
   the scrape window (idle: no request finished) uses its last measured TPOT, else the other candidate's, else
   ``DEFAULT_TPOT_S``;
 - acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
@@ -71,6 +72,33 @@ class _Class:
     start_requests: int = 0  # ``requests`` when this controller was made
     # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
     history: deque[tuple[float, int, float, float]] = field(default_factory=deque)
+    # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
+    fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
+
+
+def _windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: float, obs: Observation) -> Observation:
+    """``obs`` with its delays, queue and batch averaged over the fresh rounds of the last ``window_s``: one
+    scrape of a queue under Poisson arrivals is noise, and a decision on it flaps. A stale or incomplete round
+    passes as it is (the controller reacts to missing data at once) and empties the window."""
+    if obs.stale or obs.spec_delay_s is None or obs.alt_delay_s is None:
+        fresh.clear()
+        return obs
+    fresh.append((now, obs))
+    while fresh and fresh[0][0] <= now - window_s:
+        fresh.popleft()
+    rounds = [o for _, o in fresh]
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known else None
+
+    return replace(
+        obs,
+        spec_delay_s=mean([o.spec_delay_s for o in rounds]),
+        alt_delay_s=mean([o.alt_delay_s for o in rounds]),
+        spec_queue=mean([o.spec_queue for o in rounds]) if obs.spec_queue is not None else None,
+        spec_batch=mean([o.spec_batch for o in rounds]) if obs.spec_batch is not None else None,
+    )
 
 
 def candidates(rules: RoutingRules, class_name: str) -> tuple[str, str] | None:
@@ -178,7 +206,7 @@ class RoutingState:
                 p95_s=p95,
             )
             before = c.controller.share
-            t = c.controller.observe(now, obs)
+            t = c.controller.observe(now, _windowed(c.fresh, now, cfg.window_s, obs))
             if t is not None:
                 self._record(t)
                 out.append(t)

@@ -26,6 +26,7 @@ class ServerThread:
     """Any ASGI app on a real loopback socket, served by uvicorn in a background thread."""
 
     def __init__(self, app: ASGIApp) -> None:
+        self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))

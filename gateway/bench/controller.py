@@ -52,9 +52,9 @@ class MixItem:
 
 
 DEFAULT_MIX = (
-    MixItem("code T=0", 0.4, 0.0, "Write a python function that parses a CSV file and returns the rows as dicts."),
-    MixItem("chat T=0.3", 0.3, 0.3, "What should I look at when I compare two job offers?"),
-    MixItem("creative T=1.0", 0.3, 1.0, "Write a short story about a lighthouse keeper who finds a map."),
+    MixItem("code T=0", 0.45, 0.0, "Write a python function that parses a CSV file and returns the rows as dicts."),
+    MixItem("chat T=0.3", 0.35, 0.3, "What should I look at when I compare two job offers?"),
+    MixItem("creative T=1.0", 0.2, 1.0, "Write a short story about a lighthouse keeper who finds a map."),
 )
 
 
@@ -65,7 +65,10 @@ def parse_phases(text: str) -> list[Phase]:
         bits = part.strip().split(":")
         if len(bits) != 3:
             raise ValueError(f"phase {part!r}: expected name:rate:seconds")
-        name, rate, secs = bits[0], float(bits[1]), float(bits[2])
+        try:
+            name, rate, secs = bits[0], float(bits[1]), float(bits[2])
+        except ValueError as exc:
+            raise ValueError(f"phase {part!r}: rate and seconds must be numbers") from exc
         if rate <= 0 or secs <= 0:
             raise ValueError(f"phase {part!r}: rate and seconds must be > 0")
         phases.append(Phase(name, rate, secs))
@@ -81,9 +84,10 @@ def scaled_rules(rules: dict[str, Any], time_scale: float) -> dict[str, Any]:
     """The controllers' and the scraper's time constants times ``time_scale`` (like the simulators' clocks)."""
     out = dict(rules)
     scrape = dict(out.get("scrape") or {})
-    interval = max(0.1, float(scrape.get("interval_s", 2.0)) * time_scale)
+    # not below a quarter second: a loaded 2-core machine answers /metrics in tens of milliseconds, not one
+    interval = max(0.25, float(scrape.get("interval_s", 2.0)) * time_scale)
     scrape["interval_s"] = interval
-    scrape["timeout_s"] = min(interval, max(0.1, float(scrape.get("timeout_s", 1.0)) * time_scale))
+    scrape["timeout_s"] = min(interval, max(0.25, float(scrape.get("timeout_s", 1.0)) * time_scale))
     scrape["window_s"] = max(2.5 * interval, float(scrape.get("window_s", 60.0)) * time_scale)
     scrape.pop("stale_after_s", None)
     out["scrape"] = scrape
@@ -235,7 +239,7 @@ async def drive(
     rng = random.Random(seed)
     run = Run(phases)
     weights = [m.weight for m in mix]
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)  # below uvicorn's 5 s: no reuse race
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as session:
         t0 = time.monotonic()
         monitor = _Monitor(session, url, t0, run)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admin import create_admin_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
@@ -119,6 +120,13 @@ def route_state(url: str) -> dict[str, float]:
 HOME = {"speculative": 1.0, "split": 0.0, "standard": 0.0}
 
 
+def explain(admin_url: str) -> dict[str, Any]:
+    r = httpx.post(f"{admin_url}/admin/explain", json=BODY)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
 def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -150,6 +158,7 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
     spec, std = sims
     # generous health timeouts: on a busy CI machine a slow /health must not take the pools out of rotation
     gw = gateway(controlled_rules(spec.url, std.url), health_interval_s=0.5, health_timeout_s=2.0)
+    admin = ServerThread(create_admin_app(gw.app.state.runtime, None)).start()  # type: ignore[attr-defined]
     load = Load(gw.url)
     t0 = time.monotonic()
     watcher = Watcher(gw.url, t0)
@@ -160,11 +169,23 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
             time.sleep(2.0)
             assert transitions(gw.url) == {}  # low load: the class stays home
             assert route_state(gw.url) == HOME
+            calm = explain(admin.url)
+            assert calm["traffic_class"]["name"] == "precise"
+            assert (calm["controller"]["state"], calm["plan"]["reason"]) == ("speculative", "controller:speculative")
+            assert [s["pool"] for s in calm["plan"]["steps"]][:2] == ["spec", "std"]
             high_at = time.monotonic() - t0
             load.level = HIGH
             moved_off = wait_for(lambda: ("speculative", "split", "load") in transitions(gw.url), 4.0)
             off_at = time.monotonic() - t0
             assert moved_off, transitions(gw.url)
+            busy = explain(admin.url)  # the controller's state, the delays it compared, and this draw's plan
+            assert busy["controller"]["state"] in ("split", "standard")
+            assert busy["controller"]["last_reason"] == "load"
+            assert busy["choice"]["share"] < 1.0
+            compared = busy["controller"]["last_observation"]
+            assert compared["spec_delay_s"] > 0
+            assert compared["alt_delay_s"] > 0
+            assert busy["plan"]["reason"].startswith("controller:")
             time.sleep(max(0.0, high_at + 4.0 - off_at))  # the rest of 4 s of high load
             low_at = time.monotonic() - t0
             load.level = LOW
@@ -177,6 +198,7 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
         finally:
             load.stop.set()
             watcher.stop.set()
+            admin.stop()
         for f in futures:
             f.result()
     assert not load.errors, load.errors[:3]
@@ -190,6 +212,9 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
     assert any(r in ("controller:split:standard", "controller:standard") for r in high_routes), set(high_routes)
     assert watcher.changes[0][1] == "speculative"
     assert watcher.changes[-1][1] == "speculative"
+    audit = gw.app.state.runtime.audit.records()  # type: ignore[attr-defined]
+    assert [(a.action, a.target) for a in audit][:1] == [("controller_transition", "class/precise")]
+    assert {a.reason for a in audit} >= {"load", "load_recovered"}
     print(
         f"\nhigh at {high_at:.2f}s, low at {low_at:.2f}s; route state (seconds since start, state): "
         f"{watcher.changes}; transitions {moved}"

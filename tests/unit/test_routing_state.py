@@ -237,3 +237,23 @@ def test_gateway_latency_window_p95() -> None:
     assert m.latency_p95("code", "spec", since=0.0) == pytest.approx(0.95)
     assert m.latency_p95("code", "std", since=0.0) is None
     assert m.latency_p95("code", "spec", since=float("inf")) is None
+
+
+def test_the_controller_sees_the_window_mean_of_the_delays_not_one_noisy_scrape() -> None:
+    rs, _ = state(rules({"window_s": 4, "share_step": 0.25}, preferred="spec", saturated="std"))
+    spiky = {"spec": view("spec", running=4, waiting=3), "std": view("std")}  # one scrape caught a burst
+    for t in (1.0, 2.0, 3.0):
+        rs.choose("code", RNG)
+        assert rs.on_scrape_round(t, CALM) == []
+    rs.choose("code", RNG)
+    assert rs.on_scrape_round(4.0, spiky) == []  # alone it reads 1.75 x standard's delay: over the exit margin
+    obs = rs.snapshot()["code"]["last_observation"]
+    assert obs["spec_delay_s"] == pytest.approx((3 * 0.01 * 257 + (3 * 2.56 / 4 + 0.01 + 2.56)) / 4)
+    # a sustained burst moves it
+    for t in (5.0, 6.0, 7.0):
+        rs.choose("code", RNG)
+        rs.on_scrape_round(t, spiky)
+    assert rs.state_of("code") == "split"
+    # stale data is not averaged away: it acts at once
+    (t,) = rs.on_scrape_round(8.0, {"spec": view("spec", stale=True), "std": view("std")})
+    assert t.reason == "stale"

@@ -1,0 +1,81 @@
+"""The ``Store`` protocol: claims on Idempotency-Keys with owner tokens and leases, and the stored responses.
+
+One record per scoped key (the caller scopes keys by tenant before they get here). Its life:
+
+1. ``claim(key, fingerprint, lease_ms)``: atomically creates a *running* record owned by a fresh token
+   (``Claimed``), unless a record exists: then ``Running`` (someone holds it: 409, or wait) or ``Completed`` (replay
+   its response). Both carry the existing record's request fingerprint, so a different body under the same key can
+   be answered 422.
+2. While the request runs, the owner ``extend``\\ s the lease (a long stream outlives one lease); a gateway that
+   dies stops extending, the lease runs out and the key can be claimed again: it never blocks a key forever.
+3. ``complete(key, token, response, ttl_ms)`` stores the final response, only while ``token`` still owns the
+   record (compare-and-set): a late finisher whose lease ran out and whose key was claimed again cannot overwrite
+   the newer claim. ``release(key, token)`` drops the claim instead (nothing was generated: the client may retry).
+
+Every record has a TTL (the lease while running, ``ttl_ms`` once completed). A store that cannot be reached raises
+``StoreUnavailable``; the caller applies its policy (refuse keyed requests with 503 by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached or answered an error: the caller decides (fail closed by default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """This caller now owns the key."""
+
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """Another request holds the key and has not finished."""
+
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The key's request finished; ``response`` is what was stored (an opaque blob for the store)."""
+
+    fingerprint: str
+    response: bytes
+
+
+ClaimResult = Claimed | Running | Completed
+
+
+class Store(Protocol):
+    """Atomic per-key claims. Implementations: ``MemoryStore`` (one process), ``RedisStore`` (shared)."""
+
+    name: str  # "memory" | "redis"
+
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult: ...
+
+    async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
+        """Renew a running claim's lease; False when ``token`` no longer owns the key."""
+        ...
+
+    async def complete(self, key: str, token: str, response: bytes, *, ttl_ms: int) -> bool:
+        """Store the final response if ``token`` still owns the running record; False otherwise."""
+        ...
+
+    async def release(self, key: str, token: str) -> bool:
+        """Delete the running record if ``token`` owns it; False otherwise."""
+        ...
+
+    async def get(self, key: str) -> Running | Completed | None:
+        """The record as it is now (waiting for a running request to finish polls this)."""
+        ...
+
+    async def ping(self) -> None:
+        """Raise ``StoreUnavailable`` when the store cannot serve."""
+        ...
+
+    async def close(self) -> None: ...

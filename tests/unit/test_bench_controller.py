@@ -1,0 +1,56 @@
+"""gateway.bench.controller: phases, the scaled rules and the report (the run itself: `specgate bench controller`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.bench.controller import Change, Phase, Result, Run, parse_phases, render, scaled_rules
+from gateway.rules.schema import RoutingRules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_phases_parse_and_repeated_names_stay_apart() -> None:
+    assert parse_phases("low:10:15, high:80:40,low:10:30") == [
+        Phase("low", 10.0, 15.0),
+        Phase("high", 80.0, 40.0),
+        Phase("low-2", 10.0, 30.0),
+    ]
+    for bad in ("low:10", "low:0:5", "low:5:-1", "low:x:5"):
+        with pytest.raises(ValueError, match="low"):
+            parse_phases(bad)
+
+
+def test_scaled_rules_shrink_the_controllers_time_constants_and_stay_valid() -> None:
+    rules = yaml.safe_load((ROOT / "routing_rules" / "default.yaml").read_text())
+    out = scaled_rules(rules, 0.05)
+    RoutingRules.model_validate(out)  # still a valid config
+    ctl = next(c for c in out["classes"] if c["name"] == "predictable-low-temperature")["controller"]
+    assert ctl["window_s"] == pytest.approx(1.5)
+    assert ctl["min_hold_s"] == pytest.approx(3.0)
+    assert ctl["reenable_after_s"] == pytest.approx(30.0)
+    assert out["scrape"]["interval_s"] == 0.25  # the floor: a loaded machine answers /metrics in tens of ms
+    assert ctl["window_s"] >= 2 * out["scrape"]["interval_s"]
+    # the input is not modified
+    assert rules["classes"][2]["controller"]["window_s"] == 30
+
+
+def test_render_reports_transitions_and_per_phase_acceptance() -> None:
+    run = Run([Phase("low", 1, 10), Phase("high", 5, 10)])
+    run.changes = [Change(12.5, "precise", "split", 0.75, "load")]
+    run.results = [
+        Result(1.0, "code", "low", 200, 0.1, "precise", "spec"),
+        Result(11.0, "code", "high", 200, 0.3, "precise", "std"),
+        Result(12.0, "code", "high", 200, 0.2, "precise", "spec"),
+        Result(13.0, "code", "high", 0, 0.0, "ClientOSError"),
+    ]
+    run.boundaries = {"low@start": {}, "high@start": {"precise": (100.0, 70.0)}, "end": {"precise": (300.0, 130.0)}}
+    text = render(run, {"spec"})
+    change = next(line for line in text.splitlines() if "12.50" in line)
+    assert ("split" in change, "load" in change) == (True, True)
+    high = next(line for line in text.splitlines() if "high" in line and "precise" in line)
+    assert "50%" in high  # one of two answers from the speculative pool
+    assert "0.300" in high  # (130 - 70) / (300 - 100)
