@@ -19,15 +19,16 @@ from gateway.acceptance import temperature_band
 from gateway.classify import TASK_HEADER, Endpoint
 from gateway.decision import decide
 from gateway.errors import (
+    BadRequest,
     GatewayError,
     InvalidJSON,
     MethodNotAllowed,
-    NoCapacity,
     PayloadTooLarge,
     RouteNotFound,
 )
 from gateway.forward import ProxyJob, ProxyResponse
 from gateway.headers import request_id
+from gateway.idempotency import KEY_HEADER, KeyClaim, Replay, begin, fingerprint, parse_key, store_key, tenant_scope
 from gateway.metrics import CONTENT_TYPE, Outcome, multiprocess_dir
 from gateway.openai import JSON_CONTENT_TYPE, envelope
 from gateway.record import RequestRecord
@@ -89,12 +90,29 @@ def _error_response(rt: Runtime, exc: GatewayError, rec: RequestRecord, extra: l
     return _json(exc.envelope(), exc.status, headers)
 
 
+def _replay(rt: Runtime, replay: Replay, rec: RequestRecord) -> Response:
+    """A stored response again: it never reaches a pool."""
+    status = replay.response.status
+    rec.status = status
+    rec.finish("ok" if status < 400 else _outcome_for(status), rt.metrics, rt.access_log)
+    return replay.response.replay()
+
+
+async def _release(claim: KeyClaim | None, rec: RequestRecord) -> None:
+    """Nothing was generated for a claimed key (refused before forwarding): free it for the client's retry."""
+    if claim is not None:
+        rec.idempotency = "released"
+        await claim.settle(None)
+
+
 async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Response:
     rt = _runtime(request)
     rec = RequestRecord(request_id(request.headers.get("x-request-id")), path)
     extra = [("x-request-id", rec.request_id)]
+    claim: KeyClaim | None = None
     try:
         rt.authenticate(request.headers.get("authorization"))
+        idempotency_key = parse_key(request.headers.getlist(KEY_HEADER))
         raw = await _read_body(request, rt.settings.max_body_bytes)
         body = _parse_object(raw)
         live = rt.live
@@ -106,15 +124,32 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         d.check_model()
         rec.route_reason = plan.reason
         extra.append(("x-specgate-route", plan.reason))
+        if d.klass is not None and d.klass.require_idempotency_key and idempotency_key is None:
+            raise BadRequest(
+                f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
+            )
+        if idempotency_key is not None:  # before the capacity check: a replay needs no pool
+            got = await begin(
+                rt.store,
+                live.rules.idempotency,
+                rt.metrics,
+                key=store_key(tenant_scope(request.headers.get("authorization")), idempotency_key),
+                fingerprint=fingerprint(request.method, path, body),
+                record=rec,
+            )
+            if isinstance(got, Replay):
+                return _replay(rt, got, rec)
+            claim = got
         if plan.empty:
-            skipped = ", ".join(f"{p}: {why}" for p, why in plan.skipped) or "no candidate pool"
-            raise NoCapacity(f"no pool can take this request now ({skipped})", retry_after_s=5)
+            raise plan.unavailable()
     except GatewayError as exc:
+        await _release(claim, rec)
         return _error_response(rt, exc, rec, extra)
     except ClientDisconnect:
         rec.finish("client_disconnect", rt.metrics, rt.access_log)
         raise
     except Exception:
+        await _release(claim, rec)
         rec.status, rec.error = 500, "internal error in the gateway"
         rec.finish("gateway_error", rt.metrics, rt.access_log)
         raise
@@ -129,8 +164,9 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         record=rec,
         extra_headers=extra,
         parsed=body if stream else None,
+        idempotency=claim,
     )
-    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng)
+    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -160,8 +196,10 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    ok, why = _runtime(request).ready
-    return _json({"ready": ok, "reason": why}, 200 if ok else 503)
+    rt = _runtime(request)
+    ok, why = rt.ready
+    # A degraded idempotency store is reported, not a reason to be unready: requests without a key still flow.
+    return _json({"ready": ok, "reason": why, "store": rt.store_health.status()}, 200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -79,6 +79,13 @@ def serve(
         str, typer.Option(envvar="SPECGATE_ADMIN_HOST", help="Admin API address (token: SPECGATE_ADMIN_TOKEN).")
     ] = "127.0.0.1",
     admin_port: Annotated[int, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port (0: off).")] = 8081,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SPECGATE_REDIS_URL",
+            help="Redis for Idempotency-Key records shared by replicas, e.g. redis://host:6379/0 (none: in memory).",
+        ),
+    ] = None,
 ) -> None:
     """Start the gateway."""
     try:
@@ -95,6 +102,7 @@ def serve(
             log_level=log_level,  # type: ignore[arg-type]
             admin_host=admin_host,
             admin_port=admin_port,
+            redis_url=redis_url or None,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc

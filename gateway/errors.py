@@ -11,8 +11,13 @@
     │   ├── RouteNotFound             404 (code unknown_route)
     │   └── ModelNotFound             404 (param "model", code model_not_found)
     ├── MethodNotAllowed              405
+    ├── Conflict                      409 conflict_error
+    │   └── IdempotencyKeyInUse       409 (code idempotency_key_in_use, Retry-After)
+    ├── Unprocessable                 422 invalid_request_error
+    │   └── IdempotencyKeyMismatch    422 (code idempotency_key_mismatch)
     ├── PayloadTooLarge               413 (code request_too_large)
     ├── NoCapacity                    503 service_unavailable (Retry-After)
+    │   └── IdempotencyStoreUnavailable   503 (code idempotency_store_unavailable)
     └── UpstreamError                 502 upstream_error (an attempt failed before the commit point)
         ├── UpstreamConnectError      502 (the connection broke; retryable)
         │   └── UpstreamUnreachable   502 (connect refused / connect timeout; the endpoint leaves rotation)
@@ -88,6 +93,32 @@ class MethodNotAllowed(GatewayError):
     default_code = "method_not_allowed"
 
 
+class Conflict(GatewayError):
+    status = 409
+    type = "conflict_error"
+    default_code = "conflict"
+
+
+class IdempotencyKeyInUse(Conflict):
+    """A request with the same Idempotency-Key is still running (the OpenAI SDK retries 409 by itself)."""
+
+    default_code = "idempotency_key_in_use"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("retry-after", str(retry_after_s))
+
+
+class Unprocessable(GatewayError):
+    status = 422
+    type = "invalid_request_error"
+    default_code = "unprocessable_entity"
+
+
+class IdempotencyKeyMismatch(Unprocessable):
+    default_code = "idempotency_key_mismatch"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
@@ -102,6 +133,10 @@ class NoCapacity(GatewayError):
     def __init__(self, message: str, *, retry_after_s: int = 1, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.headers.setdefault("retry-after", str(retry_after_s))
+
+
+class IdempotencyStoreUnavailable(NoCapacity):
+    default_code = "idempotency_store_unavailable"
 
 
 class UpstreamError(GatewayError):

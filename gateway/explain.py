@@ -127,7 +127,7 @@ def _step_reason(i: int, name: str, plan: Plan, klass: TrafficClass | None, roun
 
 
 def plan_steps(plan: Plan, live: LiveConfig, klass: TrafficClass | None, max_attempts: int) -> list[dict[str, Any]]:
-    """The attempts in the order the proxy makes them (``forward._candidates``): each pool of the plan once, then
+    """The attempts in the order the proxy makes them (``attempts.candidates``): each pool of the plan once, then
     again with endpoints not yet tried, up to ``max_attempts``. Each attempt only happens if the one before failed
     before the first byte reached the client."""
     views = live.views()

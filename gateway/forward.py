@@ -5,9 +5,10 @@ attempts and the relay while watching for the client's disconnect, so that a cli
 the upstream request at once, whether the gateway was waiting for headers, the first token, or relaying.
 
 The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
-for a retryable reason (connect error, first-byte timeout, 429/502/503/504, an error event or a broken
-connection before the first event) moves on to the next candidate, within ``max_attempts``. After it nothing
-is ever re-sent: a stream that breaks ends with an explicit error event and ``[DONE]``.
+for a retryable reason (connect error, timeout or no first event within the TTFT deadline, 429/5xx, an error
+event or a broken connection before the first event; ``gateway.attempts``) moves on to the next candidate, within
+``max_attempts`` and the process's retry budget. After it nothing is ever re-sent: a stream that breaks ends with
+an explicit error event and ``[DONE]``.
 
 Responses of speculative pools are read for their per-request spec-decode metrics (``gateway.acceptance``): a
 stream sent to such a pool asks for the usage chunk that carries them, which is stripped again when the client
@@ -21,17 +22,33 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.acceptance import StreamTap, sample_from_body, with_include_usage
+from gateway.attempts import (
+    CREDENTIAL_STATUS,
+    RETRYABLE_STATUS,
+    AttemptFailure,
+    AttemptPolicy,
+    BudgetLease,
+    PoolStatusError,
+    StreamStartError,
+    candidates,
+    describe_status,
+    exhausted,
+    failure_result,
+    status_result,
+)
 from gateway.decide import Plan
-from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from gateway.errors import GatewayError, NoCapacity, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.idempotency import KeyClaim
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics, Outcome
 from gateway.openai import (
@@ -47,7 +64,8 @@ from gateway.openai import (
 )
 from gateway.pools import EndpointState, PoolState
 from gateway.record import RequestRecord
-from gateway.upstream import RETRYABLE_STATUS, PoolClient, UpstreamResponse
+from gateway.rules.schema import Defaults
+from gateway.upstream import PoolClient, UpstreamResponse
 
 logger = logging.getLogger("specgate.forward")
 
@@ -63,6 +81,7 @@ class ProxyJob:
     record: RequestRecord
     extra_headers: list[tuple[str, str]]
     parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
+    idempotency: KeyClaim | None = None  # the request's claim on its Idempotency-Key (records what is sent)
 
 
 @dataclass(slots=True)
@@ -76,27 +95,7 @@ class _Opened:
     splitter: SSESplitter | None
     buffered_body: bytes | None
     tap: StreamTap | None = None  # streams from a speculative pool
-
-
-def _candidates(
-    plan: Plan, pools: Mapping[str, PoolState], rng: random.Random
-) -> Iterator[tuple[PoolState, EndpointState]]:
-    """Pools in plan order, one endpoint each, then round again with endpoints not yet tried."""
-    tried: set[str] = set()
-    while True:
-        progressed = False
-        for name in plan.pools:
-            pool = pools.get(name)
-            if pool is None:
-                continue
-            ep = pool.pick(rng, exclude=tried)
-            if ep is None:
-                continue
-            tried.add(ep.id)
-            progressed = True
-            yield pool, ep
-        if not progressed:
-            return
+    model: str | None = None  # the model asked for instead of the requested one (route.fallback_model)
 
 
 class ProxyResponse(Response):
@@ -110,8 +109,13 @@ class ProxyResponse(Response):
         metrics: GatewayMetrics,
         access_log: AccessLog,
         rng: random.Random,
+        policy: AttemptPolicy | None = None,
     ) -> None:
         self.job = job
+        if policy is None:  # a private budget (tests); the gateway passes its process-wide one
+            defaults = Defaults()
+            policy = AttemptPolicy(lambda: defaults, metrics)
+        self.policy = policy
         self.pools = pools
         self.clients = clients
         self.metrics = metrics
@@ -130,11 +134,15 @@ class ProxyResponse(Response):
         # The work runs in this task; a small watcher cancels it when the client goes away.
         task = asyncio.current_task()
         assert task is not None
+        claim = self.job.idempotency
+        if claim is not None:  # record what the client gets, to store it for replays
+            send = claim.recording(send, lambda: self._client_gone)
+            claim.start_renewal()
         watch = asyncio.ensure_future(self._watch(receive, task))
         try:
             await self._run(send)
         except asyncio.CancelledError:
-            if not self._client_gone:
+            if not self._client_gone or claim is not None:  # a keyed request is never cancelled for its client
                 raise
             task.uncancel()
         except Exception:
@@ -154,7 +162,12 @@ class ProxyResponse(Response):
             if self._tap is not None and self._tap.sample is not None:
                 self.job.record.spec = self._tap.sample
             self._cleanup()
+            stored = None
+            if claim is not None:
+                self.job.record.idempotency, stored = claim.outcome()
             self.job.record.finish(self.outcome, self.metrics, self.access_log)
+            if claim is not None:  # after the last byte went out: the client does not wait for it
+                await claim.settle(stored)
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:
@@ -164,7 +177,10 @@ class ProxyResponse(Response):
                     return
                 self._client_gone = True
                 self.outcome = "client_disconnect"
-                task.cancel()
+                if self.job.idempotency is None:
+                    task.cancel()
+                # A keyed request runs on to its end (bounded by the pool's total_s): its response is stored, and
+                # the client's retry with the same key gets the whole answer instead of a second generation.
                 return
 
     # --- the attempt loop -------------------------------------------------------------------------------
@@ -186,69 +202,89 @@ class ProxyResponse(Response):
             await self._send_buffered(send, opened)
 
     async def _open(self) -> _Opened:
-        job, rec = self.job, self.job.record
-        errors: list[str] = []
-        last_exc: GatewayError | None = None
-        for n, (pool, ep) in enumerate(_candidates(job.plan, self.pools, self.rng)):
+        """The attempt loop up to the commit point. The request holds a retry-budget lease from its first attempt
+        until its upstream response is closed (``_cleanup``); every retry it was granted counts as long."""
+        lease = self.policy.budget.lease()
+        try:
+            opened = await self._attempts(lease)
+        except BaseException:
+            lease.close()
+            raise
+        opened.response.on_close = lease.close
+        return opened
+
+    async def _attempts(self, lease: BudgetLease) -> _Opened:
+        job, rec, metrics = self.job, self.job.record, self.metrics
+        failures: list[AttemptFailure] = []
+        for n, (pool, ep) in enumerate(candidates(job.plan, self.pools, self.rng)):
             if n >= job.max_attempts:
                 break
+            if failures:
+                last = failures[-1]
+                if not lease.try_retry():
+                    metrics.upstream_attempts.labels(pool.name, "budget_exhausted").inc()
+                    raise exhausted(failures, budget_refused=True)
+                if last.pool != pool.name:
+                    metrics.fallbacks.labels(rec.traffic_class, last.pool, pool.name, last.result).inc()
             client = self.clients[pool.name]
             headers = upstream_request_headers(job.client_headers, request_id=rec.request_id, api_key=client.api_key)
             started = time.perf_counter()
             if rec.upstream_start is None:
                 rec.upstream_start = started
             ep.in_flight += 1
-            self.metrics.in_flight.labels(pool.name).inc()
+            metrics.in_flight.labels(pool.name).inc()
             opened: _Opened | None = None
             try:
                 opened = await self._attempt(pool, ep, client, headers)
             except UpstreamError as exc:
-                rec.attempt(pool.name, ep.id, started, None, exc.message)
-                errors.append(f"{pool.name}/{ep.id}: {exc.message}")
-                last_exc = exc
-                if isinstance(exc, UpstreamUnreachable):
-                    ep.mark_failure(exc.message)
+                result = failure_result(exc)
+                status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
+                rec.attempt(pool.name, ep.id, started, status, exc.message)
+                metrics.upstream_attempts.labels(pool.name, result).inc()
+                failures.append(AttemptFailure(pool.name, ep.id, exc, result))
+                self.policy.failed(ep, exc, self.pools.values())
                 continue
             finally:
                 if opened is None:
                     ep.in_flight -= 1
-                    self.metrics.in_flight.labels(pool.name).dec()
-            rec.attempt(pool.name, ep.id, started, opened.response.status, None)
-            ep.mark_success()
+                    metrics.in_flight.labels(pool.name).dec()
+            status = opened.response.status
+            rec.attempt(pool.name, ep.id, started, status, None)
+            metrics.upstream_attempts.labels(pool.name, status_result(status)).inc()
+            self.policy.answered(ep, status, self.pools.values())
             return opened
-        if not errors:
-            raise NoCapacity("no endpoint of the planned pools can take the request", retry_after_s=2)
-        code = "upstream_timeout" if isinstance(last_exc, UpstreamTimeout) else "upstream_unavailable"
-        raise NoCapacity(f"all {len(errors)} attempt(s) failed: " + "; ".join(errors), retry_after_s=2, code=code)
+        raise exhausted(failures)
 
     async def _attempt(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
     ) -> _Opened:
         """One attempt up to the commit point: headers, and for a stream its first whole event.
 
-        Streams must show their first event within the pool's ``first_byte_s`` (vLLM answers 200 at once and
-        then nothing until the first token); a non-streaming answer arrives whole when generation is done, so
-        only ``total_s`` bounds it.
+        A stream must show its first event within the class's ``route.ttft_deadline_s``, else the pool's
+        ``first_byte_s`` (vLLM answers 200 at once and then nothing until the first token); a non-streaming
+        answer arrives whole when generation is done, so only ``total_s`` bounds it.
         """
         if not self.job.stream:
             return await self._attempt_buffered(pool, ep, client, headers)
+        deadline = self.job.plan.ttft_deadline_s or client.first_byte_s
         try:
-            async with asyncio.timeout(client.first_byte_s):
+            async with asyncio.timeout(deadline):
                 return await self._attempt_stream(pool, ep, client, headers)
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"no first event from {ep.id} within {client.first_byte_s:g}s") from exc
+            raise UpstreamTimeout(f"no first event from {ep.id} within {deadline:g}s") from exc
 
     async def _attempt_buffered(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
     ) -> _Opened:
         job, rec = self.job, self.job.record
-        resp = await client.post(ep, job.path, job.body, headers)
+        body, model, _ = self._request_body(pool)
+        resp = await client.post(ep, job.path, body, headers)
         try:
-            self._check_status(pool, resp)
+            await self._check_status(pool, resp)
             body = await resp.read()
             rec.upstream_first = rec.upstream_done = time.perf_counter()
             resp.release()
-            return _Opened(pool, ep, resp, None, None, body)
+            return _Opened(pool, ep, resp, None, None, body, model=model)
         except BaseException:
             resp.abort()
             raise
@@ -257,59 +293,80 @@ class ProxyResponse(Response):
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
     ) -> _Opened:
         job, rec = self.job, self.job.record
-        body, strip = self._stream_body(pool)
+        body, model, strip = self._request_body(pool)
         resp = await client.post(ep, job.path, body, headers)
         try:
-            self._check_status(pool, resp)
+            await self._check_status(pool, resp)
             if resp.status != 200:  # an error answer: relayed whole, with its status
                 body = await resp.read()
                 rec.upstream_first = rec.upstream_done = time.perf_counter()
                 resp.release()
-                return _Opened(pool, ep, resp, None, None, body)
+                return _Opened(pool, ep, resp, None, None, body, model=model)
             if not resp.is_event_stream:
                 body = await resp.read()
-                raise UpstreamError(f"a stream was asked for, the pool answered {resp.content_type!r}: {body[:100]!r}")
+                raise StreamStartError(
+                    f"a stream was asked for, the pool answered {resp.content_type!r}: {body[:100]!r}"
+                )
             splitter = SSESplitter()
-            async for chunk in resp.chunks():
-                try:
+            try:
+                async for chunk in resp.chunks():
                     events = splitter.feed(chunk)
-                except SSEOverflow as exc:
-                    raise UpstreamError(str(exc)) from exc
-                if not events:
-                    continue
-                if is_error_event(events[0]):
-                    raise UpstreamError(f"error event before the first token: {events[0][:200]!r}")
-                rec.upstream_first = time.perf_counter()
-                tap = StreamTap(strip) if pool.spec.kind == "speculative" else None
-                return _Opened(pool, ep, resp, events, splitter, None, tap)
-            raise UpstreamError("upstream closed the stream before the first event")
+                    if not events:
+                        continue
+                    if is_error_event(events[0]):
+                        raise StreamStartError(f"error event before the first token: {events[0][:200]!r}")
+                    rec.upstream_first = time.perf_counter()
+                    tap = StreamTap(strip) if pool.spec.kind == "speculative" else None
+                    return _Opened(pool, ep, resp, events, splitter, None, tap, model)
+            except SSEOverflow as exc:
+                raise StreamStartError(str(exc)) from exc
+            except (UpstreamConnectError, UpstreamTimeout) as exc:
+                if isinstance(exc, StreamStartError):
+                    raise
+                raise StreamStartError(f"before the first event: {exc.message}") from exc
+            raise StreamStartError("upstream closed the stream before the first event")
         except BaseException:
             resp.abort()
             raise
 
-    def _stream_body(self, pool: PoolState) -> tuple[bytes, bool]:
-        """The body for a stream to ``pool``, and whether the gateway added the usage chunk (to strip it)."""
+    def _request_body(self, pool: PoolState) -> tuple[bytes, str | None, bool]:
+        """The body of an attempt on ``pool``; the model it asks for when not the requested one (the class's
+        ``route.fallback_model``); whether the gateway added the usage chunk to a stream (to strip it again)."""
         job = self.job
-        if pool.spec.kind != "speculative" or job.parsed is None:
-            return job.body, False
+        model = job.plan.model_for(pool.name)
+        usage = job.stream and pool.spec.kind == "speculative"
+        if model is not None:
+            parsed = {**(job.parsed if job.parsed is not None else orjson.loads(job.body)), "model": model}
+            with_usage = with_include_usage(parsed) if usage else None
+            return (orjson.dumps(parsed) if with_usage is None else with_usage), model, with_usage is not None
+        if not usage or job.parsed is None:
+            return job.body, None, False
         if not self._usage_body_built:
             self._usage_body_built = True
             self._usage_body = with_include_usage(job.parsed)
         if self._usage_body is None:
-            return job.body, False
-        return self._usage_body, True
+            return job.body, None, False
+        return self._usage_body, None, True
 
     @staticmethod
-    def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
-        """Statuses that another pool may answer better are attempt failures, not answers."""
-        if resp.status in RETRYABLE_STATUS:
-            raise UpstreamError(f"HTTP {resp.status}")
-        if resp.status in (401, 403):
-            # The client's key never reaches a pool: this is the gateway's pool key being refused.
+    async def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
+        """Statuses that another pool may answer better are attempt failures, not answers (``gateway.attempts``).
+        401/403 from a pool: the client's key never reaches a pool, so it is the gateway's pool key being refused
+        (a config error another pool may not have), never the client's."""
+        if resp.status in CREDENTIAL_STATUS:
             logger.error(
                 "pool %s refused the gateway's credentials (HTTP %d): check api_key_env", pool.name, resp.status
             )
-            raise UpstreamError(f"pool {pool.name} refused the gateway's credentials (HTTP {resp.status})")
+            raise PoolStatusError(
+                resp.status, f"pool {pool.name} refused the gateway's credentials (HTTP {resp.status})"
+            )
+        if resp.status in RETRYABLE_STATUS:
+            try:
+                async with asyncio.timeout(0.5):  # the error body is small; a pool that stalls on it is not waited for
+                    raw = await resp.read()
+            except (UpstreamError, TimeoutError):
+                raw = b""
+            raise PoolStatusError(resp.status, describe_status(resp.status, raw))
 
     # --- sending --------------------------------------------------------------------------------------
 
@@ -323,6 +380,8 @@ class ProxyResponse(Response):
         if opened is not None:
             pairs.append(("x-specgate-pool", opened.pool.name))
             pairs.append(("x-specgate-endpoint", opened.endpoint.id))
+            if opened.model is not None:
+                pairs.append(("x-specgate-model", opened.model))
         pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
         out.extend((k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs)
         return out
@@ -348,6 +407,8 @@ class ProxyResponse(Response):
         rec.status = resp.status
         headers = self._response_headers(ctype, client_response_headers(resp.raw.raw_headers))
         headers.append((b"content-length", str(len(body)).encode()))
+        if self.job.idempotency is not None and resp.status < 500:
+            self.job.idempotency.generated = True  # an answer the client may act on: stored for replays
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
         self._last_send = True
@@ -364,6 +425,8 @@ class ProxyResponse(Response):
         headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw.raw_headers))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
+        if self.job.idempotency is not None:
+            self.job.idempotency.generated = True  # from here on a retry must replay, never generate again
         done = await self._send_events(send, opened.first_events)
         rec.first_sent = time.perf_counter()
         try:

@@ -1,7 +1,8 @@
 """Active health checks: every endpoint's ``GET /health``, concurrently, on an interval.
 
 An endpoint that fails a check leaves the rotation; one that passes comes back (also after a passive
-failure marked it down). The checks use their own small connection pool, so that a pool whose connections
+failure marked it down). An ejected endpoint (``gateway.attempts``) comes back only with the first passing check
+once its ejection time is over. The checks use their own small connection pool, so that a pool whose connections
 are all busy with long generations is not declared dead for it.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -53,7 +55,9 @@ class HealthChecker:
                 "healthy" if healthy else "unhealthy",
                 f" ({error})" if error else "",
             )
-        ep.set_health(healthy, error)
+        if ep.set_health(healthy, error, now=time.monotonic()):
+            logger.warning("endpoint %s/%s is back from its ejection (health check passed)", ep.pool, ep.id)
+            self._metrics.endpoint_ejected.labels(ep.pool, ep.id).set(0)
         self._metrics.endpoint_up.labels(ep.pool, ep.id).set(1 if healthy else 0)
         self._metrics.health_checks.labels(ep.pool, "ok" if healthy else "fail").inc()
 

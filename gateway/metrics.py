@@ -121,6 +121,40 @@ class GatewayMetrics:
             ["pool", "result"],
             registry=r,
         )
+        # The attempt loop (gateway.forward, gateway.attempts): every upstream attempt, every move to another pool,
+        # and passive outlier ejection (1 while the endpoint is ejected in any live worker).
+        self.upstream_attempts = Counter(
+            "specgate_upstream_attempts",
+            "Upstream attempts by pool and result (ok, status_4xx, status_429, status_5xx, connect_error, timeout, "
+            "stream_error_before_first_chunk; budget_exhausted: a retry the retry budget refused, not sent).",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "specgate_fallbacks",
+            "Retries on another pool before the commit point, by the failed attempt's result.",
+            ["class", "from_pool", "to_pool", "reason"],
+            registry=r,
+        )
+        self.endpoint_ejected = Gauge(
+            "specgate_endpoint_ejected",
+            "1 while the endpoint is ejected by passive outlier detection.",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.endpoint_ejections = Counter(
+            "specgate_endpoint_ejections",
+            "Ejections of the endpoint by passive outlier detection.",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.idempotency = Counter(
+            "specgate_idempotency_total",
+            "Idempotency-Key handling by result (gateway.idempotency.Result).",
+            ["result"],
+            registry=r,
+        )
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}

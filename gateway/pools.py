@@ -3,6 +3,11 @@
 The pick is weighted power-of-two-choices: draw two routable endpoints with probability proportional to their
 weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means drained: the endpoint
 gets no new requests, and the ones it has run to completion.
+
+An endpoint is routable while it is healthy (its last active health check passed, and no connect failure since),
+has a weight, and is not ejected. Ejection (passive outlier detection, ``gateway.attempts``) takes an endpoint out
+after consecutive failed attempts for base x 2^(k-1) seconds (the k-th ejection in a row, capped); it comes back
+only through a passing health check once that time is over. Times are ``time.monotonic()`` seconds, passed in.
 """
 
 from __future__ import annotations
@@ -27,26 +32,54 @@ class EndpointState:
     consecutive_failures: int = 0
     last_checked: float = 0.0
     last_error: str | None = None
+    ejected: bool = False
+    ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
+    ejections: int = 0  # k: ejections in a row, for the growing ejection time
+    last_ejected: float | None = None  # monotonic time of the last ejection
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.weight > 0
+        return self.healthy and self.weight > 0 and not self.ejected
 
     def mark_failure(self, reason: str) -> None:
         """A connect-level failure: out of rotation until the next successful health check."""
-        self.consecutive_failures += 1
+        self.count_failure(reason)
         self.healthy = False
+
+    def count_failure(self, reason: str) -> int:
+        """A failed attempt (the endpoint stays in rotation); the consecutive failures so far."""
+        self.consecutive_failures += 1
         self.last_error = reason
+        return self.consecutive_failures
 
     def mark_success(self) -> None:
         self.consecutive_failures = 0
 
-    def set_health(self, healthy: bool, error: str | None = None) -> None:
+    def eject(self, now: float, base_s: float, max_s: float) -> float:
+        """Take the endpoint out of rotation; returns the ejection time, base_s x 2^(k-1) for the k-th ejection
+        in a row, at most max_s. k starts again once the last ejection has been over for max_s."""
+        if self.last_ejected is not None and now - self.ejected_until >= max_s:
+            self.ejections = 0
+        self.ejections += 1
+        duration = min(max_s, base_s * 2.0 ** min(self.ejections - 1, 62))
+        self.ejected = True
+        self.ejected_until = now + duration
+        self.last_ejected = now
+        self.consecutive_failures = 0
+        return duration
+
+    def set_health(self, healthy: bool, error: str | None = None, now: float | None = None) -> bool:
+        """The result of an active health check; True when it ended an ejection (expired, and the check passed)."""
+        now = time.monotonic() if now is None else now
         self.healthy = healthy
-        self.last_checked = time.monotonic()
+        self.last_checked = now
         self.last_error = error
-        if healthy:
-            self.consecutive_failures = 0
+        if not healthy:
+            return False
+        if self.ejected and now >= self.ejected_until:
+            self.ejected = False
+            return True
+        return False
 
 
 @dataclass(slots=True)

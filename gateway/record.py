@@ -54,6 +54,7 @@ class RequestRecord:
     error: str | None = None
     temperature_band: str = "unset"  # gateway.acceptance.temperature_band of the client's temperature
     spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
+    idempotency: str | None = None  # gateway.idempotency.Result, for requests with an Idempotency-Key
     _finished: bool = False
 
     def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
@@ -104,4 +105,6 @@ class RequestRecord:
             }
             if self.error:
                 line["error"] = self.error
+            if self.idempotency is not None:
+                line["idempotency"] = self.idempotency
             access_log.write(line)

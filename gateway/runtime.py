@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.attempts import AttemptPolicy
 from gateway.audit import AuditLog, AuditRecord
 from gateway.classify import Classifier
 from gateway.controller import Transition
@@ -31,6 +32,8 @@ from gateway.rules.schema import RoutingRules
 from gateway.scrape import PoolLoad
 from gateway.scraper import Scraper
 from gateway.settings import Settings
+from gateway.store.base import Store
+from gateway.store.health import StoreHealth, build_store
 from gateway.upstream import PoolClient
 
 logger = logging.getLogger("specgate")
@@ -82,6 +85,7 @@ class LiveConfig:
                 models=p.models,
                 routable_endpoints=sum(1 for e in p.endpoints if e.routable),
                 in_flight=sum(e.in_flight for e in p.endpoints if e.routable),
+                drained=all(e.weight <= 0 for e in p.endpoints),
             )
             for name, p in self.pools.items()
         }
@@ -107,6 +111,8 @@ class Runtime:
             interval_s=settings.health_interval_s,
             timeout_s=settings.health_timeout_s,
         )
+        # The attempt loop's process-wide part: the retry budget and outlier ejection (gateway.attempts).
+        self.attempts = AttemptPolicy(lambda: self.live.rules.defaults, self.metrics)
         # The route state of the classes with a ``controller:`` block, fed after every scrape round.
         self.routing = RoutingState(
             lambda: self.live.rules,
@@ -120,6 +126,10 @@ class Runtime:
             self.metrics,
             on_round=self.routing.on_scrape_round,
         )
+        # Idempotency records: Redis when configured, else memory. ``store`` is the health-tracking wrapper, so a
+        # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
+        self.store_health = StoreHealth(build_store(settings.redis_url), self.metrics.registry)
+        self.store: Store = self.store_health
         self._tasks: list[asyncio.Task[None]] = []
 
     def _audit_transition(self, t: Transition) -> None:
@@ -179,6 +189,7 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="specgate-scrape"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
+        self._tasks.append(asyncio.create_task(self.store_health.run(), name="specgate-store-health"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -189,5 +200,6 @@ class Runtime:
         self._tasks.clear()
         await self.health.close()
         await self.scraper.close()
+        await self.store_health.close()
         for client in self.live.clients.values():
             await client.close()

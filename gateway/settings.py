@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +35,9 @@ class Settings:
     log_level: LogLevel = "info"
     admin_host: str = "127.0.0.1"  # the admin API listener (gateway/admin.py); its token is SPECGATE_ADMIN_TOKEN
     admin_port: int = 8081  # 0: no admin listener
+    # Idempotency records shared by the replicas (redis:// | rediss:// | unix://); None: in memory, this process
+    # only. It may hold a password: kept out of repr, and logged only through gateway.store.redis.redact_url.
+    redis_url: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -49,6 +52,8 @@ class Settings:
             raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise SettingsError("health_interval_s and health_timeout_s must be > 0")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
 

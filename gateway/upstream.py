@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,8 +19,6 @@ from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreac
 from gateway.pools import EndpointState
 from gateway.rules.schema import Pool as PoolSpec
 
-# Statuses after which another pool may be tried (before the commit point): overload and gateway errors.
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 CHUNK_LIMIT = 2**16
 
 
@@ -30,6 +28,12 @@ class UpstreamResponse:
 
     status: int
     raw: aiohttp.ClientResponse
+    on_close: Callable[[], None] | None = None  # called once, when the connection is released or closed
+
+    def _closed(self) -> None:
+        hook, self.on_close = self.on_close, None
+        if hook is not None:
+            hook()
 
     @property
     def is_event_stream(self) -> bool:
@@ -64,17 +68,19 @@ class UpstreamResponse:
         try:
             async with asyncio.timeout(timeout_s):
                 await self.raw.read()
-            self.raw.release()
+            self.release()
         except (aiohttp.ClientError, OSError, TimeoutError):
-            self.raw.close()
+            self.abort()
 
     def abort(self) -> None:
         """Close the connection: vLLM aborts the generation when its client goes away."""
         self.raw.close()
+        self._closed()
 
     def release(self) -> None:
         """The body was read to the end: the connection goes back to the pool."""
         self.raw.release()
+        self._closed()
 
 
 def _describe(exc: BaseException) -> str:

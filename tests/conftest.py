@@ -1,8 +1,10 @@
-"""Shared fixtures: real uvicorn servers in threads (the gateway and fake vLLM upstreams)."""
+"""Shared fixtures: real uvicorn servers in threads (the gateway and fake vLLM upstreams), a private redis-server."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,3 +138,71 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
     yield start
     for s in started:
         s.stop()
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port (never the shared 6379), no persistence.
+
+    ``stop()`` kills it (a crashed Redis), ``start()`` brings it back on the same port (empty), so tests can check
+    that the gateway notices an outage and recovers by itself.
+    """
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self._binary = binary
+        self._workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port: int = s.getsockname()[1]
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def start(self) -> RedisServer:
+        if self._proc is not None and self._proc.poll() is None:
+            return self
+        args = [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self._workdir), "--daemonize", "no", "--loglevel", "warning"]
+        log = self._workdir / "redis.log"
+        with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+            self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not self._ping():
+            if self._proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:].strip()
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {tail}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A fresh private redis-server for one test (``.url``, ``.port``, ``.stop()``, ``.start()``)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (CI installs it: .ci/run; locally: apt-get install redis-server)")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield server
+    finally:
+        server.stop()

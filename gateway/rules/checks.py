@@ -2,8 +2,9 @@
 
 Referenced pools exist (and a route does not name one pool twice), pool / class / endpoint names are unique,
 exactly the last class is a catch-all, a class with a ``controller`` has one speculative and one standard
-candidate pool, and condition values (task types, endpoints, response_format types,
-models) are ones a request can actually have. Each problem comes as (path, message); the loader adds lines.
+candidate pool, a ``route.fallback_model`` is served by one of the class's fallback pools, and condition values
+(task types, endpoints, response_format types, models) are ones a request can actually have. Each problem comes
+as (path, message); the loader adds lines.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def semantic_issues(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
     yield from _catch_all(rules)
     yield from _condition_values(rules)
     yield from _controller_candidates(rules)
+    yield from _fallback_model(rules)
 
 
 def _unique_names(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
@@ -171,4 +173,20 @@ def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
                 ("classes", i, "controller"),
                 "a class with a controller needs one speculative and one standard pool among route.preferred and "
                 f"route.saturated; found {described}",
+            )
+
+
+def _fallback_model(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
+    """``route.fallback_model`` is used on the class's fallback pools that do not serve the requested model: at
+    least one of them must serve it, or it never takes effect."""
+    served = {p.name: set(p.models) for p in rules.pools}
+    for i, cls in enumerate(rules.classes):
+        route = cls.route
+        if route.fallback_model is None:
+            continue
+        if not any(route.fallback_model in served.get(name, ()) for name in route.fallback):
+            yield (
+                ("classes", i, "route", "fallback_model"),
+                f'no pool in route.fallback serves "{route.fallback_model}" '
+                f"(fallback: {', '.join(route.fallback) or 'none'})",
             )

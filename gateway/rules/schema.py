@@ -168,6 +168,19 @@ class Route(_Strict):
         default_factory=list, description="Ordered pools to try when the chosen pool fails before the commit."
     )
     saturation: Saturation = Field(default_factory=Saturation)
+    ttft_deadline_s: OptionalNumber = Field(
+        None,
+        gt=0,
+        description="Streams: an attempt with no first event within this many seconds moves on to the next pool "
+        "(default: the pool's timeouts.first_byte_s). Non-streaming answers are bounded by total_s only.",
+    )
+    fallback_model: str | None = Field(
+        None,
+        min_length=1,
+        description="A fallback pool that does not serve the requested model may serve this model instead (the "
+        "body's model is rewritten for that attempt; header x-specgate-model). Off (null) by default: another "
+        "model's answer is not equivalent.",
+    )
 
 
 class ControllerConfig(_Strict):
@@ -250,6 +263,26 @@ class TrafficClass(_Strict):
     controller: ControllerConfig | None = Field(
         None, description="Live speculative/standard controller; none = the static route above."
     )
+    require_idempotency_key: bool = Field(
+        False, description="Answer 400 to requests of this class without an Idempotency-Key header."
+    )
+
+
+class Idempotency(_Strict):
+    """Requests with an ``Idempotency-Key`` header (``gateway.idempotency``): the stored response's lifetime, the
+    claim's lease, and what a repeat or an unreachable store gets."""
+
+    ttl_s: Number = Field(86400.0, gt=0, description="How long a completed response is kept for replay.")
+    lease_s: Number = Field(
+        30.0, gt=0, description="Lease of a running claim, renewed every lease_s/3 while the request runs."
+    )
+    on_running: Literal["reject", "wait"] = Field(
+        "reject", description="A repeat while the first request runs: 409 (reject), or wait and replay (wait)."
+    )
+    wait_timeout_s: Number = Field(60.0, gt=0, description="on_running wait: 409 after waiting this long.")
+    store_unavailable: Literal["refuse", "proceed"] = Field(
+        "refuse", description="Keyed requests while the store is unreachable: 503 (refuse), or run without a key."
+    )
 
 
 class Timeouts(_Strict):
@@ -325,6 +358,33 @@ class Pool(_Strict):
         return self
 
 
+class RetryBudget(_Strict):
+    """Process-wide cap on retries (Envoy's retry budget): retries in progress may not exceed ``ratio`` x the
+    requests in progress, or ``min_retries``, whichever is larger. A retry refused by it ends the request (503)."""
+
+    ratio: Number = Field(0.2, ge=0, le=1, description="Share of the active requests that may be retries at once.")
+    min_retries: int = Field(3, ge=0, description="Concurrent retries always allowed, however few requests run.")
+
+
+class OutlierDetection(_Strict):
+    """Passive ejection of an endpoint after consecutive failed attempts; it comes back once its ejection has
+    expired and an active health check passes. The k-th ejection in a row lasts base_ejection_s x 2^(k-1), at
+    most max_ejection_s; k starts again after max_ejection_s without an ejection."""
+
+    consecutive_failures: int = Field(5, ge=1, description="Failed attempts in a row that eject the endpoint.")
+    base_ejection_s: Number = Field(30.0, gt=0, description="Length of the first ejection.")
+    max_ejection_s: Number = Field(300.0, gt=0, description="Longest ejection; also the quiet time that resets k.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OutlierDetection:
+        if self.base_ejection_s > self.max_ejection_s:
+            raise ValueError(
+                f"thresholds out of order: base_ejection_s {self.base_ejection_s} > max_ejection_s "
+                f"{self.max_ejection_s}"
+            )
+        return self
+
+
 class Defaults(_Strict):
     temperature: Number = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
     top_p: Number = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
@@ -334,6 +394,10 @@ class Defaults(_Strict):
         16384, ge=256, description="Task-rule patterns see at most this many characters of a text (head and tail)."
     )
     max_attempts: int = Field(2, ge=1, le=10, description="Attempts per request across pools (before commit).")
+    retry_budget: RetryBudget = Field(default_factory=RetryBudget, description="Process-wide cap on retries.")
+    outlier_detection: OutlierDetection = Field(
+        default_factory=OutlierDetection, description="Passive ejection of endpoints that keep failing."
+    )
 
 
 PROMETHEUS_NAME = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
@@ -403,6 +467,7 @@ class RoutingRules(_Strict):
     task_rules: list[TaskRule] = Field(default_factory=list)
     classes: list[TrafficClass] = Field(min_length=1, description="First match wins; the last is a catch-all.")
     scrape: Scrape = Field(default_factory=Scrape, description="Scraping of the endpoints' /metrics and /health.")
+    idempotency: Idempotency = Field(default_factory=Idempotency, description="Idempotency-Key handling.")
 
     def pool(self, name: str) -> Pool:
         for p in self.pools:

@@ -262,7 +262,8 @@ def test_models_health_ready_metrics(two_pools: Any) -> None:
     models = httpx.get(gw.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL, SPEC_ONLY_MODEL]
     assert httpx.get(gw.url + "/health").status_code == 200
-    assert httpx.get(gw.url + "/ready").json() == {"ready": True, "reason": "ok"}
+    ready = httpx.get(gw.url + "/ready").json()
+    assert (ready["ready"], ready["reason"], ready["store"]["healthy"]) == (True, "ok", True)
     httpx.post(gw.url + "/v1/chat/completions", json=CHAT_REQ)
     text = httpx.get(gw.url + "/metrics").text
     assert 'specgate_requests_total{class="default",outcome="ok",pool="std"} 1.0' in text

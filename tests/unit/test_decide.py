@@ -141,3 +141,15 @@ def test_controller_state_without_two_kinds_falls_back_to_the_route() -> None:
     r = Route.model_validate({"preferred": "std", "saturated": "other"})  # both standard: the loader refuses this
     plan = plan_route(r, "m", CONTROLLED, route_state="speculative")
     assert (plan.pools, plan.reason) == (("std",), "preferred")
+
+
+def test_no_spill_onto_a_pool_that_is_busier_still() -> None:
+    r = route(saturated="std", saturation={"max_inflight_per_endpoint": 4})
+    # spec over its limit (8 per endpoint) but std holds 10 per endpoint: stay
+    busier = plan_route(r, "m", {"spec": view("spec", routable=1, in_flight=8), "std": view("std", in_flight=10)})
+    assert (busier.pools[0], busier.reason) == ("spec", "preferred")
+    lighter = plan_route(r, "m", {"spec": view("spec", routable=1, in_flight=8), "std": view("std", in_flight=3)})
+    assert (lighter.pools[0], lighter.reason) == ("std", "saturated")
+    # a saturated pool without a routable endpoint takes nothing
+    gone = plan_route(r, "m", {"spec": view("spec", in_flight=8), "std": view("std", routable=0)})
+    assert gone.pools[0] == "spec"

@@ -34,6 +34,8 @@ INVALID: dict[str, tuple[str, str, int | None]] = {
     "empty_range": ("classes[0].when.temperature", "the range is empty", 17),
     "fallback_duplicate": ("classes[0].route.fallback[1]", 'duplicate fallback pool "standard"', 21),
     "fallback_is_preferred": ("classes[0].route.fallback[1]", '"speculative" is route.preferred', 21),
+    "fallback_model_not_served": ("classes[0].route.fallback_model", 'no pool in route.fallback serves "tiny"', 21),
+    "ejection_out_of_order": ("defaults.outlier_detection", "thresholds out of order: base_ejection_s", 3),
     "invalid_regex": ("task_rules[0].patterns[1]", "invalid regular expression '(def'", 18),
     "merge_unknown_pool": ("classes[1].route.fallback[0]", 'unknown pool "standrd"', 17),
     "missing_catch_all": ("classes[1].when", "must be a catch-all", 23),
@@ -182,7 +184,7 @@ def test_unknown_field_suggests_the_closest_name() -> None:
     assert [str(i) for i in info.value.issues] == [
         "classes[0].route.preferred: required field missing (line 8)",
         'classes[0].route.prefered: unknown field "prefered"; did you mean "preferred"? '
-        "(allowed: preferred, saturated, fallback, saturation) (line 8)",
+        "(allowed: preferred, saturated, fallback, saturation, ttft_deadline_s, fallback_model) (line 8)",
     ]
 
 

@@ -1,0 +1,160 @@
+"""``MemoryStore``: the idempotency store of a single gateway process (the default without ``--redis-url``).
+
+It must behave exactly like ``RedisStore`` (same claims, same owner-token compare-and-set, same expiry), so that
+the idempotency guard is tested once and runs the same with either. Atomicity comes from the event loop: every
+method does its check and its write with no ``await`` in between, so no lock is needed.
+
+Memory stays bounded without a background task:
+
+- an expired record is treated as absent the moment it is read, and removed then;
+- every write pops the records whose expiry has passed, from a min-heap of expiry times (an entry whose record
+  was extended, completed or replaced since is stale and skipped), so the cost is O(log n) per expiry;
+- above ``max_records`` the oldest completed records are dropped first (a dropped completion only costs a replay:
+  the client's retry runs again). Running claims are never dropped to make room, since that could let a duplicate
+  run; with the store full of running claims a new claim raises ``StoreUnavailable`` (the caller fails closed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
+
+DEFAULT_MAX_RECORDS = 100_000
+
+
+@dataclass(slots=True)
+class _Record:
+    token: str
+    fingerprint: str
+    expires_at: float  # the store's clock (monotonic seconds)
+    response: bytes | None = None  # None while running
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None
+
+
+class MemoryStore:
+    """Claims and stored responses in a dict, with TTLs on the monotonic clock; see the module docstring."""
+
+    name = "memory"
+
+    def __init__(self, *, max_records: int = DEFAULT_MAX_RECORDS, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
+        self._max = max_records
+        self._clock = clock
+        # Insertion order = order of the last write that created or completed the record (complete moves it to
+        # the end), so the first completed record found walking the dict is the oldest completion.
+        self._records: dict[str, _Record] = {}
+        self._expiries: list[tuple[float, str]] = []  # (expires_at, key) min-heap; may hold stale entries
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- internals (all synchronous: the atomicity of every public method relies on it) -----------------------
+
+    def _live(self, key: str, now: float) -> _Record | None:
+        rec = self._records.get(key)
+        if rec is not None and rec.expires_at <= now:
+            del self._records[key]
+            return None
+        return rec
+
+    def _set_expiry(self, key: str, rec: _Record, expires_at: float) -> None:
+        rec.expires_at = expires_at
+        heapq.heappush(self._expiries, (expires_at, key))
+
+    def _prune(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, key = heapq.heappop(heap)
+            rec = self._records.get(key)
+            if rec is not None and rec.expires_at <= now:
+                del self._records[key]
+        # Stale entries of long-lived records can pile up only as far as the number of writes; rebuild the heap
+        # when they clearly dominate, so it stays proportional to the live records.
+        if len(heap) > 4 * len(self._records) + 1024:
+            self._expiries = [(r.expires_at, k) for k, r in self._records.items()]
+            heapq.heapify(self._expiries)
+
+    def _make_room(self, now: float) -> None:
+        self._prune(now)
+        if len(self._records) < self._max:
+            return
+        # Drop 1% more than needed, so that a store at its cap does not walk the dict on every claim.
+        excess = len(self._records) - self._max + 1 + self._max // 100
+        victims = list(itertools.islice((k for k, r in self._records.items() if r.done), excess))
+        for k in victims:
+            del self._records[k]
+        if len(self._records) >= self._max:
+            raise StoreUnavailable(f"memory store full: {len(self._records)} running claims (max_records={self._max})")
+
+    # -- the Store protocol -------------------------------------------------------------------------------------
+
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+        now = self._clock()
+        rec = self._live(key, now)
+        if rec is not None:
+            if rec.response is not None:
+                return Completed(rec.fingerprint, rec.response)
+            return Running(rec.fingerprint)
+        self._make_room(now)
+        token = secrets.token_hex(16)
+        rec = _Record(token=token, fingerprint=fingerprint, expires_at=0.0)
+        self._records[key] = rec
+        self._set_expiry(key, rec, now + lease_ms / 1000)
+        return Claimed(token)
+
+    async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
+        now = self._clock()
+        rec = self._live(key, now)
+        if rec is None or rec.token != token or rec.done:
+            return False
+        self._set_expiry(key, rec, now + lease_ms / 1000)
+        self._prune(now)
+        return True
+
+    async def complete(self, key: str, token: str, response: bytes, *, ttl_ms: int) -> bool:
+        now = self._clock()
+        rec = self._live(key, now)
+        if rec is None or rec.token != token:
+            return False
+        if rec.done:  # the owner completing again (a retried call): a no-op, like RedisStore
+            return True
+        rec.response = bytes(response)
+        del self._records[key]  # re-insert at the end: completion order drives eviction
+        self._records[key] = rec
+        self._set_expiry(key, rec, now + ttl_ms / 1000)
+        self._prune(now)
+        return True
+
+    async def release(self, key: str, token: str) -> bool:
+        now = self._clock()
+        rec = self._live(key, now)
+        if rec is None or rec.token != token or rec.done:
+            return False
+        del self._records[key]
+        self._prune(now)
+        return True
+
+    async def get(self, key: str) -> Running | Completed | None:
+        rec = self._live(key, self._clock())
+        if rec is None:
+            return None
+        if rec.response is not None:
+            return Completed(rec.fingerprint, rec.response)
+        return Running(rec.fingerprint)
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self._records.clear()
+        self._expiries.clear()

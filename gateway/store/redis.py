@@ -1,0 +1,219 @@
+"""``RedisStore``: idempotency records shared by every gateway replica, on ``redis.asyncio``.
+
+Record encoding: one Redis **hash** per key (``<prefix><key>``), fields
+
+- ``s``: ``running`` | ``done``
+- ``t``: the owner token (kept once done, so that a retried ``complete`` is recognised)
+- ``f``: the request fingerprint
+- ``r``: the stored response, raw bytes (only once done)
+
+A hash keeps the response binary-safe and unencoded (no base64 inflation, no JSON escaping of a 1 MB SSE
+transcript), and lets the scripts touch single fields. Every key carries a TTL (``PEXPIRE``): the lease while
+running, ``ttl_ms`` once done, so a crashed gateway never blocks a key for good.
+
+Every operation is one Lua script (registered once, run by ``EVALSHA``, reloaded by redis-py after a Redis
+restart flushed the script cache), so each is atomic and one round trip:
+
+- ``claim`` creates the running record unless one exists, else returns the existing record's state, fingerprint
+  and response (a replay needs no second round trip). A record already running under the *same* token answers
+  "claimed": the client retries a command once when the connection drops, and a claim that reached Redis before
+  the drop must not be reported back to its own owner as someone else's.
+- ``extend``, ``complete``, ``release`` compare the owner token and the state before writing (compare-and-set):
+  a late finisher whose lease ran out cannot touch the newer claim. ``complete`` by the owner of an already
+  completed record answers true without writing (a retried call).
+
+Failures: any Redis or socket error becomes ``StoreUnavailable`` with the operation in its message; the URL (which
+may hold a password) is never part of it. Timeouts are short (``socket_timeout_s``) so that a dead Redis costs a
+keyed request half a second, not a stalled worker; a refused connection is retried once at once (a pooled
+connection that went stale across a Redis restart), a timeout is not retried.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
+
+DEFAULT_PREFIX = "specgate:idem:"
+
+# KEYS[1] = record; ARGV = token, fingerprint, lease_ms. Returns 1 (claimed) or {state, fingerprint, response}.
+_CLAIM = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't', 'f', 'r')
+if rec[1] then
+  if rec[1] == 'running' and rec[2] == ARGV[1] then
+    return 1
+  end
+  return {rec[1], rec[3], rec[4]}
+end
+redis.call('HSET', KEYS[1], 's', 'running', 't', ARGV[1], 'f', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS[1] = record; ARGV = token, lease_ms. Returns 1 when renewed.
+_EXTEND = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] == 'running' and rec[2] == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] = record; ARGV = token, response, ttl_ms. Returns 1 when stored (or already stored by this token).
+_COMPLETE = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[2] ~= ARGV[1] then
+  return 0
+end
+if rec[1] == 'running' then
+  redis.call('HSET', KEYS[1], 's', 'done', 'r', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+if rec[1] == 'done' then
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] = record; ARGV = token. Returns 1 when the running record was deleted.
+_RELEASE = """
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] == 'running' and rec[2] == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``: the only form of a Redis URL that may be logged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<invalid url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _record(raw: Any) -> Running | Completed | None:
+    """Decode the ``[state, fingerprint, response]`` reply of the claim script or ``HMGET``."""
+    state, fingerprint, response = raw
+    if state is None:
+        return None
+    fp = fingerprint.decode() if isinstance(fingerprint, bytes) else str(fingerprint or "")
+    if state == b"done":
+        return Completed(fp, bytes(response or b""))
+    return Running(fp)
+
+
+class RedisStore:
+    """The shared store: see the module docstring for the record encoding and the scripts."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = DEFAULT_PREFIX, where: str = "redis") -> None:
+        self._client = client
+        self._prefix = prefix
+        self._where = where  # for messages: host:port/db, never the password
+        self._claim = client.register_script(_CLAIM)
+        self._extend = client.register_script(_EXTEND)
+        self._complete = client.register_script(_COMPLETE)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        socket_timeout_s: float = 0.5,
+        prefix: str = DEFAULT_PREFIX,
+        max_connections: int = 128,
+        health_check_interval_s: int = 10,
+    ) -> RedisStore:
+        """A store on its own bounded connection pool. Nothing connects yet: the first command (or ``ping``) does.
+
+        ``BlockingConnectionPool`` waits at most ``socket_timeout_s`` for a free connection rather than opening an
+        unbounded number of them when Redis is slow. ``health_check_interval_s``: a connection idle longer than
+        that is PINGed before use, so one broken while idle is replaced instead of failing a request.
+        """
+        try:
+            pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=socket_timeout_s,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                health_check_interval=health_check_interval_s,
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                client_name="specgate",
+            )
+        except ValueError as exc:
+            raise ValueError(f"invalid redis url {redact_url(url)!r}: {exc}") from None
+        kw = pool.connection_kwargs
+        where = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+        return cls(aioredis.Redis(connection_pool=pool), prefix=prefix, where=str(where))
+
+    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+        detail = str(exc).strip() or "no detail"
+        return StoreUnavailable(f"redis {op} failed ({self._where}): {type(exc).__name__}: {detail}")
+
+    async def _run(self, op: str, script: Any, key: str, *args: str | int | bytes) -> Any:
+        try:
+            return await script(keys=[self._prefix + key], args=list(args))
+        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+            raise self._unavailable(op, exc) from exc
+
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+        token = secrets.token_hex(16)
+        raw = await self._run("claim", self._claim, key, token, fingerprint, int(lease_ms))
+        if raw == 1:
+            return Claimed(token)
+        rec = _record(raw)
+        if rec is None:  # cannot happen with the script above; a protocol error if it does
+            raise StoreUnavailable(f"redis claim returned an unexpected reply: {raw!r}")
+        return rec
+
+    async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
+        return bool(await self._run("extend", self._extend, key, token, int(lease_ms)))
+
+    async def complete(self, key: str, token: str, response: bytes, *, ttl_ms: int) -> bool:
+        return bool(await self._run("complete", self._complete, key, token, bytes(response), int(ttl_ms)))
+
+    async def release(self, key: str, token: str) -> bool:
+        return bool(await self._run("release", self._release, key, token))
+
+    async def get(self, key: str) -> Running | Completed | None:
+        try:
+            raw = await self._client.hmget(self._prefix + key, ["s", "f", "r"])
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("get", exc) from exc
+        return _record(raw)
+
+    async def ping(self) -> None:
+        try:
+            await self._client.ping()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("ping", exc) from exc
+
+    async def close(self) -> None:
+        try:
+            await self._client.aclose()
+            await self._client.connection_pool.aclose()
+        except (RedisError, OSError):  # closing a dead connection: nothing left to do
+            pass

@@ -1,0 +1,213 @@
+"""``MemoryStore``: the shared store contract, its bounded memory, and ``StoreHealth`` / ``build_store`` / settings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.settings import Settings, SettingsError
+from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
+from gateway.store.health import StoreHealth, build_store
+from gateway.store.memory import MemoryStore
+from gateway.store.redis import RedisStore, redact_url
+from tests.store_contract import LEASE_MS, TTL_MS, StoreContract
+
+
+class TestMemoryStoreContract(StoreContract):
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[MemoryStore]:
+        s = MemoryStore()
+        yield s
+        await s.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _claim(store: MemoryStore, key: str, lease_ms: int = LEASE_MS) -> str:
+    res = await store.claim(key, "fp", lease_ms=lease_ms)
+    assert isinstance(res, Claimed)
+    return res.token
+
+
+async def test_expired_records_are_pruned_on_writes() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    for i in range(50):
+        await _claim(store, f"k{i}", lease_ms=1_000)
+    assert len(store) == 50
+    clock.now += 2
+    await _claim(store, "fresh")
+    assert len(store) == 1
+
+
+async def test_an_extended_lease_is_not_pruned_by_its_old_expiry() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    token = await _claim(store, "k", lease_ms=1_000)
+    assert await store.extend("k", token, lease_ms=10_000)
+    clock.now += 2
+    await _claim(store, "other")  # a write: prunes what expired by now
+    assert await store.get("k") == Running("fp")
+
+
+async def test_full_store_drops_the_oldest_completed_first() -> None:
+    clock = FakeClock()
+    store = MemoryStore(max_records=4, clock=clock)
+    running = await _claim(store, "running-first")  # oldest claim, but running: never dropped
+    for key in ("done-1", "done-2", "done-3"):
+        token = await _claim(store, key)
+        assert await store.complete(key, token, key.encode(), ttl_ms=TTL_MS)
+    res = await store.claim("new", "fp", lease_ms=LEASE_MS)
+    assert isinstance(res, Claimed)
+    assert len(store) <= 4
+    assert await store.get("done-1") is None
+    assert await store.get("done-3") == Completed("fp", b"done-3")
+    assert await store.get("running-first") == Running("fp")
+    assert await store.complete("running-first", running, b"ok", ttl_ms=TTL_MS)
+
+
+async def test_full_store_of_running_claims_fails_closed() -> None:
+    store = MemoryStore(max_records=3)
+    for i in range(3):
+        await _claim(store, f"k{i}")
+    with pytest.raises(StoreUnavailable, match="memory store full"):
+        await store.claim("one-too-many", "fp", lease_ms=LEASE_MS)
+    # An existing key is still answered: no room is needed for that.
+    assert await store.claim("k0", "fp", lease_ms=LEASE_MS) == Running("fp")
+
+
+async def test_expiry_on_the_injected_clock_needs_no_sleep() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    token = await _claim(store, "k", lease_ms=100)
+    clock.now += 0.1  # exactly at the expiry: gone
+    assert await store.get("k") is None
+    assert await store.complete("k", token, b"late", ttl_ms=TTL_MS) is False
+
+
+def test_max_records_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_records"):
+        MemoryStore(max_records=0)
+
+
+# -- StoreHealth ----------------------------------------------------------------------------------------------
+
+
+class FlakyStore(MemoryStore):
+    """A memory store whose every operation fails while ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreUnavailable("flaky store is down")
+
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+        self._check()
+        return await super().claim(key, fingerprint, lease_ms=lease_ms)
+
+    async def ping(self) -> None:
+        self._check()
+
+
+def _up(registry: CollectorRegistry, store: str) -> float | None:
+    return registry.get_sample_value("specgate_store_up", {"store": store})
+
+
+def _errors(registry: CollectorRegistry, store: str, op: str) -> float:
+    return registry.get_sample_value("specgate_store_errors_total", {"store": store, "op": op}) or 0.0
+
+
+async def test_store_health_memory_is_up() -> None:
+    registry = CollectorRegistry()
+    health = StoreHealth(MemoryStore(), registry)
+    assert await health.check() is True
+    assert health.status() == {"name": "memory", "healthy": True, "last_error": None, "since": health.since}
+    assert _up(registry, "memory") == 1.0
+    assert isinstance(await health.claim("k", "fp", lease_ms=LEASE_MS), Claimed)
+
+
+async def test_request_path_failure_degrades_at_once_and_the_ping_loop_recovers() -> None:
+    registry = CollectorRegistry()
+    inner = FlakyStore()
+    inner.name = "flaky"
+    health = StoreHealth(inner, registry, interval_s=0.02)
+    inner.down = True
+    with pytest.raises(StoreUnavailable):
+        await health.claim("k", "fp", lease_ms=LEASE_MS)
+    assert not health.healthy
+    assert health.last_error == "flaky store is down"
+    assert _up(registry, "flaky") == 0.0
+    assert _errors(registry, "flaky", "claim") == 1.0
+
+    task = asyncio.create_task(health.run())
+    try:
+        await asyncio.sleep(0.1)
+        assert not health.healthy
+        assert _errors(registry, "flaky", "ping") >= 2
+        inner.down = False
+        for _ in range(100):
+            if health.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert health.healthy
+        assert _up(registry, "flaky") == 1.0
+        assert health.last_error == "flaky store is down"  # the latest failure stays visible after recovery
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_store_health_ping_timeout_counts_as_a_failure() -> None:
+    class Hanging(MemoryStore):
+        async def ping(self) -> None:
+            await asyncio.sleep(10)
+
+    health = StoreHealth(Hanging(), CollectorRegistry(), ping_timeout_s=0.05)
+    assert await health.check() is False
+    assert health.last_error is not None
+    assert "timed out" in health.last_error
+
+
+# -- build_store, settings, redaction -------------------------------------------------------------------------
+
+
+async def test_build_store_picks_memory_without_url_and_redis_with_one() -> None:
+    assert isinstance(build_store(None), MemoryStore)
+    assert isinstance(build_store(""), MemoryStore)
+    store = build_store("redis://:secret@127.0.0.1:1/0")  # nothing connects yet
+    assert isinstance(store, RedisStore)
+    await store.close()
+
+
+def test_redact_url_hides_the_password() -> None:
+    assert redact_url("redis://:s3cret@host:6380/2") == "redis://:***@host:6380/2"
+    assert redact_url("rediss://user:s3cret@host/0") == "rediss://user:***@host/0"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_settings_redis_url_from_env_and_kept_out_of_repr() -> None:
+    env = {"SPECGATE_RULES": "rules.yaml", "SPECGATE_REDIS_URL": "redis://:s3cret@redis:6379/0"}
+    s = Settings.from_env(env)
+    assert s.redis_url == "redis://:s3cret@redis:6379/0"
+    assert "s3cret" not in repr(s)
+    assert Settings.from_env(s.to_env()).redis_url == s.redis_url
+    assert Settings.from_env({"SPECGATE_RULES": "rules.yaml"}).redis_url is None
+    assert "SPECGATE_REDIS_URL" not in Settings.from_env({"SPECGATE_RULES": "rules.yaml"}).to_env()
+
+
+def test_settings_reject_a_non_redis_url() -> None:
+    with pytest.raises(SettingsError, match="redis_url"):
+        Settings.from_env({"SPECGATE_RULES": "r.yaml", "SPECGATE_REDIS_URL": "http://redis:6379"})
