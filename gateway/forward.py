@@ -159,15 +159,17 @@ class ProxyResponse(Response):
             logger.exception("error after the commit point of %s", self.job.record.request_id)
         finally:
             watch.cancel()
-            if self._tap is not None and self._tap.sample is not None:
-                self.job.record.spec = self._tap.sample
-            self._cleanup()
             stored = None
-            if claim is not None:
-                self.job.record.idempotency, stored = claim.outcome()
-            self.job.record.finish(self.outcome, self.metrics, self.access_log)
-            if claim is not None:  # after the last byte went out: the client does not wait for it
-                await claim.settle(stored)
+            try:
+                if self._tap is not None and self._tap.sample is not None:
+                    self.job.record.spec = self._tap.sample
+                self._cleanup()
+                if claim is not None:
+                    self.job.record.idempotency, stored = claim.outcome()
+                self.job.record.finish(self.outcome, self.metrics, self.access_log)
+            finally:
+                if claim is not None:  # after the last byte went out: the client does not wait for it
+                    await claim.settle(stored)
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:

@@ -67,9 +67,32 @@ class HealthChecker:
                 timeout=self._timeout, connector=aiohttp.TCPConnector(limit=32, force_close=True)
             )
         session = self._session
-        eps = [ep for pool in self._pools() for ep in pool.endpoints]
+        pools = list(self._pools())
+        eps = [ep for pool in pools for ep in pool.endpoints]
         await asyncio.gather(*(self._probe(session, ep) for ep in eps))
+        self._unstrand(pools)
         self.rounds += 1
+
+    def _unstrand(self, pools: list[PoolState]) -> None:
+        """End the ejection of healthy endpoints early when a model has no routable endpoint left: ejection only
+        checks "never the last one" when it happens, and the others may have failed their checks since."""
+        for pool in pools:
+            for model in pool.models:
+                if any(e.routable for p in pools if model in p.models for e in p.endpoints):
+                    continue
+                for p in pools:
+                    if model not in p.models:
+                        continue
+                    for ep in p.endpoints:
+                        if ep.ejected and ep.healthy and ep.weight > 0:
+                            ep.ejected = False
+                            logger.warning(
+                                "endpoint %s/%s is back early from its ejection: no other endpoint serves %s",
+                                ep.pool,
+                                ep.id,
+                                model,
+                            )
+                            self._metrics.endpoint_ejected.labels(ep.pool, ep.id).set(0)
 
     async def run(self) -> None:
         while True:

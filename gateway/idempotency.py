@@ -35,9 +35,11 @@ capacity, every attempt failed, an upstream 5xx) releases the key, so the client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,7 +71,8 @@ STORED_HEADERS = frozenset(
         b"x-specgate-task-type",
     }
 )
-SETTLE_TIMEOUT_S = 2.0  # completing or releasing a claim after the response went out
+SETTLE_TIMEOUT_S = 2.0  # one try at completing or releasing a claim after the response went out
+SETTLE_RETRY_S = 15.0  # how long completing is retried (with backoff) before the response is given up
 
 Result = Literal[
     "claimed",  # this request owns the key and runs
@@ -212,11 +215,19 @@ class KeyClaim:
     """A key this request owns: the lease is renewed while it runs; at the end the response is stored or released."""
 
     def __init__(
-        self, store: Store, key: str, token: str, cfg: IdempotencyConfig, metrics: GatewayMetrics, request_id: str
+        self,
+        store: Store,
+        key: str,
+        token: str,
+        cfg: IdempotencyConfig,
+        metrics: GatewayMetrics,
+        request_id: str,
+        fingerprint: str = "",
     ) -> None:
         self.store = store
         self.key = key
         self.token = token
+        self.fingerprint = fingerprint
         self.lease_ms = max(1, int(cfg.lease_s * 1000))
         self.ttl_ms = max(1, int(cfg.ttl_s * 1000))
         self.metrics = metrics
@@ -236,7 +247,7 @@ class KeyClaim:
             await asyncio.sleep(interval)
             try:
                 owned = await self.store.extend(self.key, self.token, lease_ms=self.lease_ms)
-            except StoreUnavailable as exc:
+            except Exception as exc:  # never end the renewal silently: the lease would run out mid-request
                 logger.warning("cannot renew the idempotency lease of %s: %s", self.request_id, exc)
                 continue
             if not owned:
@@ -270,24 +281,52 @@ class KeyClaim:
         if self._renewal is not None:
             self._renewal.cancel()
         result: Result = "released" if stored is None else "stored"
-        try:
-            async with asyncio.timeout(SETTLE_TIMEOUT_S):
-                if stored is None:
-                    owned = await self.store.release(self.key, self.token)
-                else:
-                    owned = await self.store.complete(self.key, self.token, stored.encode(), ttl_ms=self.ttl_ms)
-        except (StoreUnavailable, TimeoutError) as exc:
-            # The lease runs out by itself: the key is free again after lease_s (a retry then runs again).
-            logger.warning("cannot %s the Idempotency-Key of %s: %s", result, self.request_id, exc or "timeout")
-            _count(self.metrics, "store_unavailable")
-            return
-        except Exception:
-            logger.exception("error settling the Idempotency-Key of %s", self.request_id)
-            return
+        blob = None if stored is None else stored.encode()
+        # A generated response must not be lost to a store blip: once the lease ran out, a repeat would generate a
+        # second, different answer. So completing is retried with backoff for up to SETTLE_RETRY_S, the lease
+        # renewed in between (the client already has its last byte; only this task waits). Releasing is tried
+        # once: if it fails the lease runs out by itself and the key is free again after lease_s.
+        delay = 0.25
+        deadline = time.monotonic() + (SETTLE_RETRY_S if blob is not None else 0.0)
+        while True:
+            try:
+                async with asyncio.timeout(SETTLE_TIMEOUT_S):
+                    if blob is None:
+                        owned = await self.store.release(self.key, self.token)
+                    else:
+                        owned = await self._complete(blob)
+                break
+            except (StoreUnavailable, TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    logger.error("cannot %s the Idempotency-Key of %s: %s", result, self.request_id, exc or "timeout")
+                    _count(self.metrics, "store_unavailable")
+                    return
+                logger.warning("retrying to %s the Idempotency-Key of %s: %s", result, self.request_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 4.0)
+                with contextlib.suppress(Exception):
+                    await self.store.extend(self.key, self.token, lease_ms=self.lease_ms)
+            except Exception:
+                logger.exception("error settling the Idempotency-Key of %s", self.request_id)
+                return
         if not owned and stored is not None:
             logger.warning("request %s finished after losing its Idempotency-Key claim: not stored", self.request_id)
             result = "lost"
         _count(self.metrics, result)
+
+    async def _complete(self, blob: bytes) -> bool:
+        """Store ``blob`` under the claim. A claim lost while the request ran (its record evicted, or Redis
+        restarted without persistence) is taken again when the key is free, so the answer the client got is
+        what a repeat replays, instead of a new generation."""
+        if await self.store.complete(self.key, self.token, blob, ttl_ms=self.ttl_ms):
+            return True
+        if await self.store.get(self.key) is not None:
+            return False  # another request holds or completed it: never overwrite
+        got = await self.store.claim(self.key, self.fingerprint, lease_ms=self.lease_ms)
+        if not isinstance(got, Claimed):
+            return False
+        self.token = got.token
+        return await self.store.complete(self.key, self.token, blob, ttl_ms=self.ttl_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +365,7 @@ async def begin(
             got = await store.claim(key, fingerprint, lease_ms=lease_ms)
             if isinstance(got, Claimed):
                 _count(metrics, "claimed", record)
-                return KeyClaim(store, key, got.token, cfg, metrics, request_id)
+                return KeyClaim(store, key, got.token, cfg, metrics, request_id, fingerprint)
             if got.fingerprint != fingerprint:
                 _count(metrics, "mismatch", record)
                 raise IdempotencyKeyMismatch(
@@ -335,7 +374,11 @@ async def begin(
             if isinstance(got, Completed):
                 result: Result = "replayed" if deadline is None else "waited_replayed"
                 _count(metrics, result, record)
-                return Replay(StoredResponse.decode(got.response), result)
+                try:
+                    stored = StoredResponse.decode(got.response)
+                except ValueError as exc:  # not a record this gateway wrote: a store problem, not a 500
+                    raise StoreUnavailable(f"unreadable stored response: {exc}") from exc
+                return Replay(stored, result)
             if cfg.on_running == "wait":
                 now = loop.time()
                 if deadline is None:

@@ -371,3 +371,46 @@ async def test_a_late_finisher_cannot_overwrite_a_newer_claim() -> None:
     await late.settle(StoredResponse(200, (), b"late"))
     assert isinstance(await store.get("k"), Running)  # the newer claim stands
     assert metrics.idempotency.labels("lost")._value.get() == 1
+
+
+async def test_a_lost_claim_is_taken_again_so_the_answer_the_client_got_is_what_a_repeat_replays() -> None:
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+    metrics = GatewayMetrics()
+    first = await store.claim("k", "fp", lease_ms=1000)
+    assert not isinstance(first, (Running, Completed))
+    now[0] = 2.0  # the record is gone (lease ran out, evicted, Redis restarted) and nobody claimed it since
+    claim = KeyClaim(store, "k", first.token, Idempotency(lease_s=1.0), metrics, "r", "fp")
+    await claim.settle(StoredResponse(200, (), b"the answer"))
+    got = await store.get("k")
+    assert isinstance(got, Completed)
+    assert StoredResponse.decode(got.response).body == b"the answer"
+    assert metrics.idempotency.labels("stored")._value.get() == 1
+
+
+class Flaky:
+    """A store whose ``complete`` fails ``n`` times before it works."""
+
+    def __init__(self, inner: MemoryStore, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def complete(self, key: str, token: str, response: bytes, *, ttl_ms: int) -> bool:
+        if self.n > 0:
+            self.n -= 1
+            raise StoreUnavailable("blip")
+        return await self.inner.complete(key, token, response, ttl_ms=ttl_ms)
+
+
+async def test_a_store_blip_after_the_response_does_not_lose_it() -> None:
+    inner = MemoryStore()
+    store = Flaky(inner, 2)
+    first = await inner.claim("k", "fp", lease_ms=5000)
+    assert not isinstance(first, (Running, Completed))
+    metrics = GatewayMetrics()
+    claim = KeyClaim(store, "k", first.token, Idempotency(lease_s=5.0), metrics, "r", "fp")  # type: ignore[arg-type]
+    await claim.settle(StoredResponse(200, (), b"kept"))
+    assert isinstance(await inner.get("k"), Completed)  # stored on the third try (after 0.25 s and 0.5 s)
+    assert metrics.idempotency.labels("stored")._value.get() == 1

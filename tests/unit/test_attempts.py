@@ -330,3 +330,26 @@ def test_empty_plan_should_not_be_retried_when_nothing_can_change() -> None:
     assert err.status == 503
     assert err.headers["retry-after"] == "5"
     assert "x-should-retry" not in err.headers
+
+
+async def test_a_health_round_ends_ejections_that_would_leave_a_model_without_endpoints() -> None:
+    from gateway.health import HealthChecker
+    from gateway.metrics import GatewayMetrics
+    from gateway.pools import PoolState
+    from gateway.rules.schema import Pool
+
+    spec = Pool.model_validate(
+        {"name": "p", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://a:1"}, {"url": "http://b:1"}]}
+    )
+    pool = PoolState.from_spec(spec)
+    a, b = pool.endpoints
+    a.eject(0.0, 300.0, 600.0)  # ejected while b was fine
+    b.healthy = False  # then b failed its checks; a passes, but its ejection runs for minutes
+    checker = HealthChecker(lambda: [pool], GatewayMetrics(), interval_s=1.0, timeout_s=1.0)
+    checker._unstrand([pool])
+    assert a.routable
+    # with another routable endpoint for the model the ejection stands
+    a.eject(0.0, 300.0, 600.0)
+    b.healthy = True
+    checker._unstrand([pool])
+    assert not a.routable
