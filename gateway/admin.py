@@ -11,15 +11,19 @@ Routes (every answer JSON; every error the OpenAI envelope ``{"error": {message,
                                        ``gateway.explain.explain``; sends nothing upstream; bad bodies get the
                                        proxy's own errors (400 invalid_json, 404 model_not_found, ...)
     GET  /admin/audit[?limit=N&since=T] the newest N (default 100, at most 1000) audit records after epoch T
+    GET  /admin/config                 the routing YAML in force: source, version, hash, loaded_at, yaml (its text)
+    POST /admin/reload                 re-read the routing YAML (``gateway.reload``): 200 {"result": "ok" |
+                                       "unchanged", "version", "hash", "dropped_overrides", ...}; 422 invalid, the
+                                       envelope with error.errors: [{path, line, message}, ...] (nothing changed)
 
 Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a flag, so it does not show in ``ps``).
 
 - token set: every request, on any path, needs ``Authorization: Bearer <token>`` (compared in constant time);
   anything else is 401 with ``WWW-Authenticate: Bearer``. A client API key is not the admin token, so it never
   works here; the token may not equal a client key (refused at start-up).
-- no token: the read-only routes (all routes so far: explain only reads) answer anyone who can reach the
-  listener, which is loopback-only by default (``gateway.serve`` refuses a non-loopback address without a
-  token); routes that change something (``changes`` below; none yet) are refused with 403, saying to set the token.
+- no token: the read-only routes (explain only reads) answer anyone who can reach the listener, which is
+  loopback-only by default (``gateway.serve`` refuses a non-loopback address without a token); routes that change
+  something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admin_changes import actor_of, change_routes, read_routes
+from gateway.admin_openapi import openapi
 from gateway.app import _gateway_error, _http_error, _internal_error, _json, _parse_object, _read_body
 from gateway.errors import GatewayError, InvalidParameter, Unauthorized
 from gateway.explain import DEFAULT_PATH, explain, load_numbers, route_dict
@@ -116,6 +122,8 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
                     "healthy": e.healthy,
                     "routable": e.routable,
                     "weight": e.weight,
+                    "configured_weight": e.configured_weight,
+                    "effective_weight": e.weight,
                     "in_flight": e.in_flight,
                     "consecutive_failures": e.consecutive_failures,
                     "last_error": e.last_error,
@@ -125,18 +133,32 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
         }
         entry.update(load_numbers(loads.get(name)))
         pools[name] = entry
+    overrides = [o.as_dict() for o in rt.overrides.active()]
+    for name, entry in pools.items():
+        entry["overrides"] = [o for o in overrides if o["pool"] == name]
+    forced = rt.routing.forced()
     classes = [
         {
             "name": c.name,
             "description": c.description,
             "route": route_dict(c.route),
             "controller": snapshots.get(c.name),
+            "forced_route": forced.get(c.name),
+            "overrides": [o for o in overrides if o["class"] == c.name],
         }
         for c in live.rules.classes
     ]
     audit = rt.audit
     return {
-        "config": {"source": live.source, "digest": live.digest, "loaded_at": live.loaded_at},
+        "config": {
+            "source": live.source,
+            "digest": live.digest,
+            "version": live.rules.version,
+            "hash": live.digest,
+            "loaded_at": live.loaded_at,
+        },
+        "overrides": overrides,
+        "store": {"idempotency": rt.store_health.status(), "overrides": rt.overrides.status()},
         "pools": pools,
         "embeddings_pool": live.rules.embeddings_pool,
         "classes": classes,
@@ -147,6 +169,11 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
 
 async def get_state(request: Request) -> Response:
     return _json(state_dict(_runtime(request)))
+
+
+async def get_openapi(request: Request) -> Response:
+    """The OpenAPI 3.1 description of this API (``gateway.admin_openapi``)."""
+    return _json(openapi())
 
 
 async def post_explain(request: Request) -> Response:
@@ -170,18 +197,53 @@ def _query_number(request: Request, name: str) -> float | None:
 
 
 async def get_audit(request: Request) -> Response:
-    audit = _runtime(request).audit
+    """The audit log in the store: every replica's admin changes, expiries and controller transitions."""
+    overrides = _runtime(request).overrides
     limit = _query_number(request, "limit")
     if limit is not None and (limit != int(limit) or not 1 <= limit <= MAX_AUDIT_LIMIT):
         raise InvalidParameter(f"'limit' must be an integer in 1..{MAX_AUDIT_LIMIT}", param="limit")
     since = _query_number(request, "since")
-    records = audit.records(100 if limit is None else int(limit), since)
+    records, size, total = await overrides.audit(100 if limit is None else int(limit), since)
     return _json(
         {
             "records": [r.as_dict() for r in records],
-            "size": len(audit),
-            "capacity": audit.capacity,
-            "total": audit.total,
+            "size": size,
+            "capacity": overrides.store.audit_capacity,
+            "total": total,
+        }
+    )
+
+
+async def post_reload(request: Request) -> Response:
+    """Re-read the routing YAML now (``gateway.reload``): 200 ok | unchanged, 422 listing every error, 500."""
+    rt = _runtime(request)
+    r = await rt.reload("admin", actor_of(request))
+    body = r.as_dict()
+    if r.result in ("ok", "unchanged"):
+        return _json(body)
+    if r.result == "invalid":
+        err = envelope(
+            r.error_message(),
+            "invalid_request_error",
+            param=(r.issues[0].path or None) if r.issues else None,
+            code="invalid_config",
+        )
+        err["error"]["errors"] = body["errors"]  # every path-named error: [{path, line, message}, ...]
+        return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 422)
+    err = envelope(r.message, "internal_error", code="config_reload_failed")
+    return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 500)
+
+
+async def get_config(request: Request) -> Response:
+    """The routing YAML in force: where it came from, its version and hash, when it was loaded, its text."""
+    live = _runtime(request).live
+    return _json(
+        {
+            "source": live.source,
+            "version": live.rules.version,
+            "hash": live.digest,
+            "loaded_at": live.loaded_at,
+            "yaml": live.text,
         }
     )
 
@@ -202,10 +264,16 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
                 raise ValueError(f"{TOKEN_ENV} must differ from every client API key")
     routes: list[BaseRoute] = [
         Route("/admin/state", get_state, methods=["GET"]),
+        Route("/admin/openapi.json", get_openapi, methods=["GET"]),
         Route("/admin/explain", post_explain, methods=["POST"]),
         Route("/admin/audit", get_audit, methods=["GET"]),
+        Route("/admin/config", get_config, methods=["GET"]),
+        *read_routes(),
     ]
-    changes: list[BaseRoute] = []  # routes that change routing; refused without a token
+    changes: list[BaseRoute] = [  # routes that change routing; refused without a token
+        Route("/admin/reload", post_reload, methods=["POST"]),
+        *change_routes(),  # on-call overrides (gateway.admin_changes)
+    ]
     app = Starlette(
         routes=routes + changes,
         middleware=[Middleware(AdminAuth, token=token, changes=changes)],
@@ -216,4 +284,6 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
         },
     )
     app.state.runtime = runtime
+    fingerprint = "" if token is None else ":" + hashlib.sha256(token.encode()).hexdigest()[:8]
+    app.state.admin_actor = f"admin{fingerprint}"  # the audit's actor without an X-Specgate-Actor header
     return app

@@ -1,4 +1,5 @@
-"""The ``specgate`` command: serve | validate | explain | demo | sim | bench (and more as the product grows).
+"""The ``specgate`` command: serve | validate | explain | demo | sim | bench, and the admin commands (pools, weight,
+drain, undrain, force, overrides, audit, reload: ``gateway.admin_cli``).
 
 Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
 """
@@ -83,7 +84,8 @@ def serve(
         str | None,
         typer.Option(
             envvar="SPECGATE_REDIS_URL",
-            help="Redis for Idempotency-Key records shared by replicas, e.g. redis://host:6379/0 (none: in memory).",
+            help="Redis shared by the replicas (Idempotency-Key records, on-call overrides, the audit log), e.g. "
+            "redis://host:6379/0 (none: in memory, this process only).",
         ),
     ] = None,
 ) -> None:
@@ -215,6 +217,16 @@ def _register_explain() -> None:
 
 
 _register_explain()
+
+
+def _register_admin() -> None:
+    from gateway.admin_cli import COMMANDS, EXIT_CODES_HELP
+
+    for name, (command, help_text) in COMMANDS.items():
+        app.command(name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.")(command)
+
+
+_register_admin()
 
 bench_app = typer.Typer(help="Benchmarks that print numbers (run on a quiet machine).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

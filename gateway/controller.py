@@ -393,6 +393,14 @@ class Controller:
             return None
         return self._move(_SHARE[state], reason, now, "forced by on-call", automatic=False)
 
+    def release(self) -> None:
+        """End a ``force`` before its TTL (on-call set the class back to ``auto``): the next observation decides."""
+        self._forced_until = None
+
+    @property
+    def forced_until(self) -> float | None:
+        return self._forced_until
+
     def unlock(self, now: float) -> None:
         """A person re-enables a locked (or tripped) class: guard, lock and re-enable count cleared; the next
         observation decides the state by load as usual."""

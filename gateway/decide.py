@@ -96,7 +96,13 @@ def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[s
 
 
 def plan_route(
-    route: Route, model: str, pools: Mapping[str, PoolView], *, route_state: str | None = None, split: bool = False
+    route: Route,
+    model: str,
+    pools: Mapping[str, PoolView],
+    *,
+    route_state: str | None = None,
+    split: bool = False,
+    forced: bool = False,
 ) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
@@ -108,7 +114,13 @@ def plan_route(
     applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
     round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
     preferred pool only).
+
+    ``forced``: an on-call class route on a class without a controller (``route_state`` is the forced kind): the
+    first pool of that kind among the route's pools (preferred, saturated, fallback) goes first, the others keep
+    their order after it (reason ``forced:<kind>``); no saturation spill.
     """
+    if forced and route_state is not None:
+        return _forced_plan(route, model, pools, route_state)
     preferred = pools.get(route.preferred)
     reason = "preferred"
     order: list[str] = [route.preferred]
@@ -128,7 +140,20 @@ def plan_route(
         order = [route.saturated, route.preferred]
         reason = "saturated"
     order.extend(route.fallback)
+    return _plan(route, model, pools, order, reason)
 
+
+def _forced_plan(route: Route, model: str, pools: Mapping[str, PoolView], kind: str) -> Plan:
+    names = [route.preferred] + ([route.saturated] if route.saturated is not None else []) + list(route.fallback)
+    order = list(dict.fromkeys(names))
+    first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    return _plan(route, model, pools, order, f"forced:{kind}")
+
+
+def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], reason: str) -> Plan:
     chosen: list[str] = []
     other_model: list[str] = []  # fallback pools that serve route.fallback_model instead: tried last
     skipped: list[tuple[str, str]] = []

@@ -74,6 +74,7 @@ def decide(
         live.views(),
         route_state=None if choice is None else choice.pick,
         split=choice is not None and choice.state == "split",
+        forced=choice is not None and choice.forced,
     )
     return Decision(
         c.traffic_class.name,

@@ -17,7 +17,8 @@
     │   └── IdempotencyKeyMismatch    422 (code idempotency_key_mismatch)
     ├── PayloadTooLarge               413 (code request_too_large)
     ├── NoCapacity                    503 service_unavailable (Retry-After)
-    │   └── IdempotencyStoreUnavailable   503 (code idempotency_store_unavailable)
+    │   ├── IdempotencyStoreUnavailable   503 (code idempotency_store_unavailable)
+    │   └── OverrideStoreUnavailable      503 (code override_store_unavailable: an admin change not stored)
     └── UpstreamError                 502 upstream_error (an attempt failed before the commit point)
         ├── UpstreamConnectError      502 (the connection broke; retryable)
         │   └── UpstreamUnreachable   502 (connect refused / connect timeout; the endpoint leaves rotation)
@@ -137,6 +138,10 @@ class NoCapacity(GatewayError):
 
 class IdempotencyStoreUnavailable(NoCapacity):
     default_code = "idempotency_store_unavailable"
+
+
+class OverrideStoreUnavailable(NoCapacity):
+    default_code = "override_store_unavailable"
 
 
 class UpstreamError(GatewayError):

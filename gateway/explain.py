@@ -182,7 +182,7 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
         "controller": controller,
         "choice": None
         if d.choice is None
-        else {"state": d.choice.state, "pick": d.choice.pick, "share": d.choice.share},
+        else {"state": d.choice.state, "pick": d.choice.pick, "share": d.choice.share, "forced": d.choice.forced},
         "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
         "plan": {
             "reason": d.plan.reason,

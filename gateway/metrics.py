@@ -234,7 +234,34 @@ class GatewayMetrics:
             registry=r,
         )
         self.class_windows: dict[str, AcceptanceWindow] = {}
+        # The routing YAML (gateway.reload): the config in force, and every reload attempt by result.
+        self.config_info = Gauge(
+            "specgate_config_info",
+            "1 for the routing YAML in force (version: its `version` field; hash: sha256 prefix of its text).",
+            ["version", "hash"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.config_reloads = Counter(
+            "specgate_config_reload_total",
+            "Reloads of the routing YAML by result (ok, unchanged, invalid, error).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "unchanged", "invalid", "error"):
+            self.config_reloads.labels(result)
+        self._config_labels: tuple[str, str] | None = None
         self.latency_windows: dict[tuple[str, str], LatencyWindow] = {}  # (class, pool): successful requests' E2E
+
+    def set_config(self, version: str, digest: str) -> None:
+        """``specgate_config_info``: 1 for this config; the previous label set is removed (0 first, for the
+        multiprocess files, which keep a removed child's last value)."""
+        labels = (version, digest)
+        previous, self._config_labels = self._config_labels, labels
+        if previous is not None and previous != labels:
+            self.config_info.labels(*previous).set(0)
+            self.config_info.remove(*previous)
+        self.config_info.labels(*labels).set(1)
 
     def share_across_workers(self, path: str) -> None:
         """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""

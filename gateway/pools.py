@@ -2,7 +2,8 @@
 
 The pick is weighted power-of-two-choices: draw two routable endpoints with probability proportional to their
 weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means drained: the endpoint
-gets no new requests, and the ones it has run to completion.
+gets no new requests, and the ones it has run to completion. ``weight`` is the effective weight; the YAML's is
+``configured_weight`` (on-call overrides recompute ``weight`` from it: ``gateway.overrides``).
 
 An endpoint is routable while it is healthy (its last active health check passed, and no connect failure since),
 has a weight, and is not ejected. Ejection (passive outlier detection, ``gateway.attempts``) takes an endpoint out
@@ -26,7 +27,8 @@ class EndpointState:
     id: str
     url: str
     pool: str
-    weight: float
+    weight: float  # effective: the YAML weight unless an on-call override (gateway.overrides) sets another
+    configured_weight: float = -1.0  # the YAML's weight (< 0 when not given: then ``weight`` at creation)
     healthy: bool = True
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -36,6 +38,10 @@ class EndpointState:
     ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
     ejections: int = 0  # k: ejections in a row, for the growing ejection time
     last_ejected: float | None = None  # monotonic time of the last ejection
+
+    def __post_init__(self) -> None:
+        if self.configured_weight < 0:
+            self.configured_weight = self.weight
 
     @property
     def routable(self) -> bool:

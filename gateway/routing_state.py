@@ -58,6 +58,7 @@ class RouteChoice:
     state: RouteState  # the class's route state: speculative | split | standard
     pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
     share: float  # the class's share of requests sent to the speculative pool first
+    forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
 
 
 @dataclass(slots=True)
@@ -133,6 +134,8 @@ class RoutingState:
         self._on_transition = on_transition
         self._classes: dict[str, _Class] = {}
         self._last_tpot: dict[str, float] = {}  # per pool: the last TPOT measured, for while it idles
+        # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
+        self._forced: dict[str, tuple[PoolKind, float]] = {}
         self.transitions = Counter(
             "specgate_controller_transitions_total",
             "Route-state changes of a traffic class's controller, by reason.",
@@ -169,7 +172,11 @@ class RoutingState:
         the controller's samples (explain passes False)."""
         c = self._classes.get(class_name)
         if c is None:
-            return None
+            forced = self._forced.get(class_name)
+            if forced is None:
+                return None
+            kind = forced[0]
+            return RouteChoice(kind, kind, 1.0 if kind == "speculative" else 0.0, forced=True)
         if count:
             c.requests += 1
         ctl = c.controller
@@ -177,6 +184,46 @@ class RoutingState:
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         return RouteChoice(state, pick, share)
+
+    # -- on-call class routes --------------------------------------------------------------------------------
+
+    def set_forced(self, forced: Mapping[str, tuple[PoolKind, float | None]]) -> list[Transition]:
+        """Replace the on-call class routes: class → (first pool kind, ttl_s; None: until removed). A controlled
+        class's controller is forced (``Controller.force`` with the TTL: it changes nothing meanwhile); a class
+        without one gets a forced ``RouteChoice`` from ``choose`` (``plan_route(forced=True)`` orders its route's
+        pools by kind). A class no longer listed is released: its controller (or its route) decides again.
+        Returns the transitions the forces caused (recorded like the controller's own)."""
+        now = self._clock()
+        self._sync(now)
+        for name in self._forced.keys() - forced.keys():
+            c = self._classes.get(name)
+            if c is not None:
+                c.controller.release()
+        self._forced = {
+            name: (kind, math.inf if ttl_s is None else now + max(0.0, ttl_s)) for name, (kind, ttl_s) in forced.items()
+        }
+        out: list[Transition] = []
+        for name in self._forced:
+            t = self._force_controller(name, now)
+            if t is not None:
+                out.append(t)
+        return out
+
+    def forced(self) -> dict[str, PoolKind]:
+        """The on-call class routes in force: class → first pool kind."""
+        return {name: kind for name, (kind, _) in self._forced.items()}
+
+    def _force_controller(self, name: str, now: float) -> Transition | None:
+        c, forced = self._classes.get(name), self._forced.get(name)
+        if c is None or forced is None:
+            return None
+        kind, until = forced
+        if until <= now:  # over: the override component removes it on its next tick
+            return None
+        t = c.controller.force(kind, now, ttl_s=until - now if math.isfinite(until) else math.inf)
+        if t is not None:
+            self._record(t)
+        return t
 
     # -- the scrape round ------------------------------------------------------------------------------------
 
@@ -321,6 +368,8 @@ class RoutingState:
             count = old.requests if old is not None else 0
             self._classes[name] = _Class(controller, spec, std, now, requests=count, start_requests=count)
             self._set_gauge(name, controller.state, controller.share)
+            if name in self._forced:  # a new controller (changed config) keeps the on-call force
+                self._force_controller(name, now)
 
     def snapshot(self, now: float | None = None) -> dict[str, dict[str, Any]]:
         """Every controlled class's controller state and candidate pools, for /admin/state and explain."""

@@ -21,19 +21,22 @@ from gateway.audit import AuditLog, AuditRecord
 from gateway.classify import Classifier
 from gateway.controller import Transition
 from gateway.decide import PoolView
-from gateway.errors import Unauthorized
+from gateway.errors import GatewayError, Unauthorized
 from gateway.health import HealthChecker
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
+from gateway.overrides import Override, OverrideManager
 from gateway.pools import PoolState
+from gateway.reload import Reloader, ReloadResult, config_digest
 from gateway.routing_state import RoutingState
 from gateway.rules.loader import load_rules_text
 from gateway.rules.schema import RoutingRules
 from gateway.scrape import PoolLoad
 from gateway.scraper import Scraper
 from gateway.settings import Settings
-from gateway.store.base import Store
+from gateway.store.base import Store, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
+from gateway.store.overrides import build_override_store
 from gateway.upstream import PoolClient
 
 logger = logging.getLogger("specgate")
@@ -43,6 +46,7 @@ logger = logging.getLogger("specgate")
 class LiveConfig:
     rules: RoutingRules
     source: str
+    text: str  # the YAML in force, as read (GET /admin/config)
     digest: str
     loaded_at: float
     classifier: Classifier
@@ -63,19 +67,25 @@ class LiveConfig:
                     prev = old.get((ep.pool, ep.id, ep.url))
                     if prev is not None:
                         prev.weight = ep.weight
+                        prev.configured_weight = ep.configured_weight
                         pool.endpoints[i] = prev
         models = tuple(dict.fromkeys(m for p in rules.pools for m in p.models))
         return cls(
             rules=rules,
             source=source,
-            digest=hashlib.sha256(text.encode()).hexdigest()[:16],
+            text=text,
+            digest=config_digest(text),
             loaded_at=time.time(),
             classifier=Classifier(rules),
             pools=pools,
-            clients={p.name: PoolClient(p) for p in rules.pools},
+            clients=_clients(rules, previous),
             models=models,
             model_set=frozenset(models),
         )
+
+    @property
+    def version(self) -> int:
+        return self.rules.version
 
     def views(self) -> dict[str, PoolView]:
         return {
@@ -92,6 +102,16 @@ class LiveConfig:
 
     def healthy_endpoints(self) -> int:
         return sum(p.healthy_count() for p in self.pools.values())
+
+
+def _clients(rules: RoutingRules, previous: LiveConfig | None) -> dict[str, PoolClient]:
+    """One client per pool; a pool whose spec did not change keeps its client (its open connections)."""
+    old = previous.clients if previous is not None else {}
+    out: dict[str, PoolClient] = {}
+    for p in rules.pools:
+        client = old.get(p.name)
+        out[p.name] = client if client is not None and client.spec == p else PoolClient(p)
+    return out
 
 
 class Runtime:
@@ -130,11 +150,22 @@ class Runtime:
         # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
         self.store_health = StoreHealth(build_store(settings.redis_url), self.metrics.registry)
         self.store: Store = self.store_health
+        # On-call overrides and the audit log, in the same store (Redis: shared by every replica; gateway.overrides).
+        self.overrides = OverrideManager(
+            build_override_store(settings.redis_url),
+            pools=lambda: self.live.pools,
+            rules=lambda: self.live.rules,
+            routing=self.routing,
+            registry=self.metrics.registry,
+            local_audit=self.audit,
+        )
         self._tasks: list[asyncio.Task[None]] = []
+        # Hot reload of the routing YAML: SIGHUP, POST /admin/reload, the file watcher (gateway.reload).
+        self.reloader = Reloader(self)
 
     def _audit_transition(self, t: Transition) -> None:
         detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
-        self.audit.append(
+        self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
         )
 
@@ -145,6 +176,23 @@ class Runtime:
         text = path.read_text()
         rules = load_rules_text(text, source=str(path))
         return cls(settings, LiveConfig.build(rules, str(path), text))
+
+    async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:
+        """Re-read the routing YAML; validated completely before one swap of ``live`` (``gateway.reload``)."""
+        return await self.reloader.reload(trigger, actor)
+
+    async def apply_overrides(self) -> list[Override]:
+        """After a config swap: re-apply the active overrides to the new config (synchronously, before the first
+        ``await``: no request sees the swapped config without them) and drop (audited, from the store) and return
+        those referring to pools, endpoints or classes it no longer has."""
+        unknown = self.overrides.apply()
+        if unknown:
+            reason = f"its target is not in the config {self.live.digest}"
+            try:
+                await self.overrides.drop(unknown, actor="reload", reason=reason)
+            except GatewayError as exc:  # not applied here anyway; the store keeps them until a later drop
+                logger.warning("could not drop %d override(s) from the store: %s", len(unknown), exc.message)
+        return unknown
 
     @property
     def loads(self) -> dict[str, PoolLoad]:
@@ -190,6 +238,13 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="specgate-scrape"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
         self._tasks.append(asyncio.create_task(self.store_health.run(), name="specgate-store-health"))
+        try:  # overrides in force before the first request (a restart keeps them); else the task retries
+            async with asyncio.timeout(2.0):
+                await self.overrides.refresh()
+        except (TimeoutError, StoreUnavailable) as exc:
+            logger.warning("overrides not loaded at start-up (%s); retrying in the background", exc)
+        self._tasks.append(asyncio.create_task(self.overrides.run(), name="specgate-overrides"))
+        self.reloader.start()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -198,8 +253,10 @@ class Runtime:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        await self.reloader.stop()
         await self.health.close()
         await self.scraper.close()
         await self.store_health.close()
+        await self.overrides.close()
         for client in self.live.clients.values():
             await client.close()

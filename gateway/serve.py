@@ -2,7 +2,8 @@
 
 Both are uvicorn servers sharing the one ``Runtime``: the main app's lifespan starts and stops it, the admin app has
 no lifespan. Only the main server handles SIGINT / SIGTERM; the admin server stops as soon as the main one starts
-shutting down (or ends for any other reason), so Ctrl-C stops both.
+shutting down (or ends for any other reason), so Ctrl-C stops both. SIGHUP reloads the routing YAML: the main app's
+lifespan (``Runtime.start``, ``gateway.reload``) adds its handler to the running loop.
 
 With several workers each process has its own state (controllers, in-flight counts), so one admin listener could
 only show one worker's view: ``specgate serve --workers N`` does not start it (yet) and says so.

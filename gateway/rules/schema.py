@@ -285,6 +285,22 @@ class Idempotency(_Strict):
     )
 
 
+class Admin(_Strict):
+    """On-call overrides through the admin API (``gateway.overrides``): how long a change lasts without an explicit
+    ``ttl``, and the longest ``ttl`` accepted ("never" is always accepted when asked for explicitly)."""
+
+    default_ttl_s: Number = Field(3600.0, gt=0, description="Lifetime of an override sent without a ttl.")
+    max_ttl_s: Number = Field(604800.0, gt=0, description="Longest ttl an override may ask for (except 'never').")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Admin:
+        if self.default_ttl_s > self.max_ttl_s:
+            raise ValueError(
+                f"thresholds out of order: default_ttl_s {self.default_ttl_s} > max_ttl_s {self.max_ttl_s}"
+            )
+        return self
+
+
 class Timeouts(_Strict):
     connect_s: Number = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
     first_byte_s: Number = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
@@ -468,6 +484,7 @@ class RoutingRules(_Strict):
     classes: list[TrafficClass] = Field(min_length=1, description="First match wins; the last is a catch-all.")
     scrape: Scrape = Field(default_factory=Scrape, description="Scraping of the endpoints' /metrics and /health.")
     idempotency: Idempotency = Field(default_factory=Idempotency, description="Idempotency-Key handling.")
+    admin: Admin = Field(default_factory=Admin, description="On-call overrides through the admin API.")
 
     def pool(self, name: str) -> Pool:
         for p in self.pools:

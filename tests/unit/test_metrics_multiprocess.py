@@ -149,8 +149,9 @@ async def test_the_worker_factory_merges_and_withdraws_its_gauges_at_shutdown(
     assert metrics.shared_dir == str(shared)
     async with app.router.lifespan_context(app):
         metrics.in_flight.labels("spec").inc()
-        # livesum: in-flight requests; livemin: specgate_store_up (gateway/store/health.py)
-        assert _gauge_files(shared, os.getpid()) == ["gauge_livemin", "gauge_livesum"]
+        # livesum: in-flight requests; livemin: specgate_store_up (gateway/store/health.py); livemax:
+        # specgate_config_info (gateway/reload.py)
+        assert _gauge_files(shared, os.getpid()) == ["gauge_livemax", "gauge_livemin", "gauge_livesum"]
     assert _gauge_files(shared, os.getpid()) == []
 
 
