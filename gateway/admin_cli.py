@@ -240,7 +240,8 @@ def explain_command(
         hint = ""
         if r.status_code == 401:
             hint = f" (set {TOKEN_ENV} to the gateway's admin token)" if token is None else f" (check {TOKEN_ENV})"
-        raise _fail(err, f"the admin API answered {r.status_code}: {message}{hint}", 1)
+        code = 3 if r.status_code in (401, 403) else 1  # the same exit codes as the other admin commands
+        raise _fail(err, f"the admin API answered {r.status_code}: {message}{hint}", code)
     if not isinstance(data, dict):
         raise _fail(err, f"{url} did not answer like a specgate admin API (check --url)", 2)
     if as_json:

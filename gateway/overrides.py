@@ -187,9 +187,19 @@ def parse_reason(raw: object) -> str:
     return raw.strip()
 
 
+MAX_WEIGHT = 1e6  # weights are relative; a huge one would make the pick's weight total overflow to inf
+
+
 def parse_weight(raw: object) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw) or raw < 0:
-        raise InvalidParameter(f"'weight' must be a number >= 0 (0: no new requests), got {raw!r}", param="weight")
+    if (
+        isinstance(raw, bool)
+        or not isinstance(raw, int | float)
+        or not math.isfinite(raw)
+        or not 0 <= raw <= MAX_WEIGHT
+    ):
+        raise InvalidParameter(
+            f"'weight' must be a number from 0 to {MAX_WEIGHT:g} (0: no new requests), got {raw!r}", param="weight"
+        )
     return float(raw)
 
 

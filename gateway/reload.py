@@ -235,6 +235,7 @@ class ClientRetirer:
         self.check_s = check_s
         self.margin_s = margin_s
         self._pending: set[PoolClient] = set()
+        self._closed: set[PoolClient] = set()  # retired and closed once; closed again at shutdown
         self._tasks: set[asyncio.Task[None]] = set()
 
     def retire(self, clients: Collection[PoolClient], pools: Mapping[str, PoolState]) -> None:
@@ -265,7 +266,10 @@ class ClientRetirer:
             await self._close(c)
 
     async def _close(self, client: PoolClient) -> None:
+        # Kept in _closed: a request of a kept pool falling back onto a retired one may reopen its session, and
+        # close_all closes it again at shutdown (closing twice is harmless).
         self._pending.discard(client)
+        self._closed.add(client)
         try:
             await client.close()
         except Exception:
@@ -279,7 +283,7 @@ class ClientRetirer:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for c in list(self._pending):
+        for c in list(self._pending | self._closed):
             await self._close(c)
 
 

@@ -58,6 +58,8 @@ class LiveConfig:
     @classmethod
     def build(cls, rules: RoutingRules, source: str, text: str, previous: LiveConfig | None = None) -> LiveConfig:
         pools = {p.name: PoolState.from_spec(p) for p in rules.pools}
+        classifier = Classifier(rules)  # can fail (RE2 set compile): before anything touches the live endpoints
+        clients = _clients(rules, previous)
         if previous is not None:
             # An endpoint that still exists keeps its state object: requests in flight on it decrement the same
             # counters after the swap, and what health checks learnt stays.
@@ -76,9 +78,9 @@ class LiveConfig:
             text=text,
             digest=config_digest(text),
             loaded_at=time.time(),
-            classifier=Classifier(rules),
+            classifier=classifier,
             pools=pools,
-            clients=_clients(rules, previous),
+            clients=clients,
             models=models,
             model_set=frozenset(models),
         )
@@ -241,6 +243,10 @@ class Runtime:
         try:  # overrides in force before the first request (a restart keeps them); else the task retries
             async with asyncio.timeout(2.0):
                 await self.overrides.refresh()
+                # A restart with a changed config (the usual rollout) drops overrides on pools or classes it no
+                # longer has, as a hot reload does: a pool of that name coming back later must not be drained by
+                # a forgotten override.
+                await self.apply_overrides()
         except (TimeoutError, StoreUnavailable) as exc:
             logger.warning("overrides not loaded at start-up (%s); retrying in the background", exc)
         self._tasks.append(asyncio.create_task(self.overrides.run(), name="specgate-overrides"))

@@ -74,13 +74,15 @@ def test_explain_json_and_headers_and_stdin(admin_url: str) -> None:
     assert "The model `x` does not exist" in r.output
 
 
-def test_admin_api_errors_exit_1_with_their_message(admin_url: str, request_file: Path, tmp_path: Path) -> None:
+def test_admin_api_errors_exit_1_and_auth_errors_3_with_their_message(
+    admin_url: str, request_file: Path, tmp_path: Path
+) -> None:
     r = invoke([str(request_file), "--url", admin_url], env={"COLUMNS": "200"})
-    assert r.exit_code == 1
+    assert r.exit_code == 3
     assert "401" in r.output
     assert "set SPECGATE_ADMIN_TOKEN" in r.output
     r = invoke([str(request_file), "--url", admin_url], env={**ENV, "SPECGATE_ADMIN_TOKEN": "wrong"})
-    assert r.exit_code == 1
+    assert r.exit_code == 3
     assert "invalid admin token" in r.output
     bad = tmp_path / "bad.json"
     bad.write_bytes(orjson.dumps({**CODE, "model": "nope"}))

@@ -338,3 +338,13 @@ async def test_memory_store_notifies_every_listener() -> None:
     await anext(it2)
     await it1.aclose()  # type: ignore[attr-defined]
     await it2.aclose()  # type: ignore[attr-defined]
+
+
+def test_a_huge_weight_is_refused_it_would_overflow_the_pick() -> None:
+    from gateway.errors import InvalidParameter
+    from gateway.overrides import MAX_WEIGHT, parse_weight
+
+    assert parse_weight(MAX_WEIGHT) == MAX_WEIGHT
+    for bad in (1e308, MAX_WEIGHT * 2, -1, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(InvalidParameter):
+            parse_weight(bad)
