@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes], headers: dict[str, str] | None = None) -> httpx.Response:
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 40  # process start-up on a loaded CI machine
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"gateway exited with {proc.returncode}")

@@ -65,7 +65,7 @@ class Gateway:
         cmd += ["--health-interval", "0.2", "--health-timeout", "0.5"]
         with self._log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 40  # process start-up on a loaded CI machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}: {self._log.read_text()[-3000:]}")
