@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +39,21 @@ from gateway.settings import Settings
 logger = logging.getLogger("specgate")
 
 
+# Young-generation threshold of the cyclic garbage collector. A request allocates a few hundred container objects
+# that reference counting frees, yet CPython's default (700) ran a gen-0 collection every few requests and, through
+# it, full collections over every object the imports and the config created: 10-15% of the gateway's CPU and 50-100 ms
+# pauses in the p99 (measured with gc.callbacks under wrk). Nothing on the hot path relies on cycle collection.
+GC_THRESHOLD = (20_000, 20, 10)
+
+
+def tune_gc() -> None:
+    """Once the app is built: move everything alive now (modules, config, compiled rules) out of the collector's
+    view (``gc.freeze``), and collect the young generation less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 def _runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
@@ -47,19 +63,52 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(data), status, headers=headers, media_type=JSON_CONTENT_TYPE)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, counted while reading: a Content-Length can lie, and chunked bodies have none."""
-    declared = request.headers.get("content-length")
+async def _read_body(request: Request, limit: int, declared: str | None = None) -> bytes:
+    """The body, counted while reading: a Content-Length can lie, and chunked bodies have none.
+
+    Reads the ASGI messages itself (as ``Request.stream`` does, without its async generator): the usual body is one
+    message.
+    """
+    if declared is None:
+        declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    receive = request.receive
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            if not message.get("more_body", False):
+                if not parts:
+                    return chunk
+                parts.append(chunk)
+                return b"".join(parts)
+            parts.append(chunk)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
+# The request headers ``_proxy`` reads, found in one pass over the raw list (first value; every Idempotency-Key).
+_PROXY_HEADERS = frozenset({"x-request-id", "authorization", "content-length", TASK_HEADER, KEY_HEADER})
+
+
+def _proxy_headers(request: Request) -> tuple[list[tuple[str, str]], dict[str, str], list[str]]:
+    """The client's headers decoded (as ``request.headers.items()``), the ones ``_proxy`` reads, its keys."""
+    items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+    wanted: dict[str, str] = {}
+    keys: list[str] = []
+    for k, v in items:
+        if k in _PROXY_HEADERS:
+            if k == KEY_HEADER:
+                keys.append(v)
+            if k not in wanted:
+                wanted[k] = v
+    return items, wanted, keys
 
 
 def _parse_object(raw: bytes) -> dict[str, Any]:
@@ -107,16 +156,17 @@ async def _release(claim: KeyClaim | None, rec: RequestRecord) -> None:
 
 async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Response:
     rt = _runtime(request)
-    rec = RequestRecord(request_id(request.headers.get("x-request-id")), path)
+    client_headers, hdr, keys = _proxy_headers(request)
+    rec = RequestRecord(request_id(hdr.get("x-request-id")), path)
     extra = [("x-request-id", rec.request_id)]
     claim: KeyClaim | None = None
     try:
-        rt.authenticate(request.headers.get("authorization"))
-        idempotency_key = parse_key(request.headers.getlist(KEY_HEADER))
-        raw = await _read_body(request, rt.settings.max_body_bytes)
+        rt.authenticate(hdr.get("authorization"))
+        idempotency_key = parse_key(keys)
+        raw = await _read_body(request, rt.settings.max_body_bytes, hdr.get("content-length"))
         body = _parse_object(raw)
         live = rt.live
-        d = decide(live, rt.routing, endpoint, body, request.headers.get(TASK_HEADER), rt.rng)
+        d = decide(live, rt.routing, endpoint, body, hdr.get(TASK_HEADER), rt.rng)
         rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
         if d.features is not None:
             rec.task_type, rec.stream = d.features.task_type, d.features.stream
@@ -133,7 +183,7 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
                 rt.store,
                 live.rules.idempotency,
                 rt.metrics,
-                key=store_key(tenant_scope(request.headers.get("authorization")), idempotency_key),
+                key=store_key(tenant_scope(hdr.get("authorization")), idempotency_key),
                 fingerprint=fingerprint(request.method, path, body),
                 record=rec,
             )
@@ -157,7 +207,7 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
     job = ProxyJob(
         path=path,
         body=raw,
-        client_headers=request.headers.items(),
+        client_headers=client_headers,
         stream=stream,
         plan=plan,
         max_attempts=max_attempts,
@@ -285,6 +335,7 @@ def create_app_from_env() -> Starlette:
     settings = Settings.from_env()
     configure_logging(settings.log_level)
     app = create_app(settings)
+    tune_gc()
     shared = multiprocess_dir()
     if shared is None:
         if settings.workers > 1:

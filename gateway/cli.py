@@ -1,5 +1,5 @@
-"""The ``specgate`` command: serve | validate | explain | demo | sim | bench, and the admin commands (pools, weight,
-drain, undrain, force, overrides, audit, reload: ``gateway.admin_cli``).
+"""The ``specgate`` command: serve | validate | explain | demo | sim | bench | report, and the admin commands (pools,
+weight, drain, undrain, force, overrides, audit, reload: ``gateway.admin_cli``).
 
 Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
 """
@@ -114,7 +114,7 @@ def serve(
 def run_server(settings: Settings) -> None:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import create_app, tune_gc
     from gateway.logs import configure_logging
     from gateway.rules.loader import RulesError
 
@@ -125,6 +125,7 @@ def run_server(settings: Settings) -> None:
         raise _fail(f"invalid routing rules:\n{exc}") from exc
     except (SettingsError, OSError) as exc:
         raise _fail(str(exc)) from exc
+    tune_gc()
     common = {
         "host": settings.host,
         "port": settings.port,
@@ -242,10 +243,10 @@ def bench_overhead_cmd(
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
-        rows = bench_overhead(conns, duration)
+        rows, streams = bench_overhead(conns, duration)
     except RuntimeError as exc:
         raise _fail(str(exc)) from exc
-    out.print(render(rows), highlight=False, soft_wrap=True)
+    out.print(render(rows, streams), highlight=False, soft_wrap=True)
 
 
 @bench_app.command("controller")
@@ -296,6 +297,152 @@ def bench_sim_sweep_cmd(
 
     rows = asyncio.run(blog_sweep(preset, duration_s=duration))
     out.print(render_blog_table(rows), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("baseline")
+def bench_baseline_cmd(
+    url: Annotated[str, typer.Option(help="The gateway, a vLLM server or `specgate sim` (base URL).")],
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of GET /v1/models).")] = None,
+    requests: Annotated[int, typer.Option(help="Requests in all (the prompts in turn).")] = 24,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 1,
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSON list of {text, max_tokens} (default: built-in prompts).")
+    ] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="Where to write the baseline.")] = Path(
+        "baseline_metrics.json"
+    ),
+) -> None:
+    """Playbook Phase 1: TTFT/TPOT/E2E p50/p95/p99 and tokens/s of streaming requests -> baseline_metrics.json.
+    API key: SPECGATE_API_KEY."""
+    import asyncio
+    import json
+
+    from gateway.bench.baseline import BaselineError, load_prompts, render, run_baseline
+
+    try:
+        result = asyncio.run(
+            run_baseline(
+                url,
+                model=model,
+                requests=requests,
+                concurrency=concurrency,
+                prompts=load_prompts(prompts),
+                api_key=os.environ.get("SPECGATE_API_KEY") or None,
+            )
+        )
+    except (ValueError, OSError, BaselineError) as exc:
+        raise _fail(str(exc)) from exc
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print(escape(render(result)), highlight=False, soft_wrap=True)
+    out.print(escape(f"written to {out_file}"), highlight=False)
+
+
+report_app = typer.Typer(help="Operators' reports from Prometheus.", no_args_is_help=True)
+app.add_typer(report_app, name="report")
+
+
+@report_app.command("weekly")
+def report_weekly_cmd(
+    prometheus: Annotated[str, typer.Option(help="Prometheus base URL, e.g. http://prometheus:9090.")],
+    baseline: Annotated[Path, typer.Option(help="baseline_metrics.json from `specgate bench baseline`.")],
+    range_: Annotated[str, typer.Option("--range", help="Period to report on (Prometheus duration).")] = "7d",
+    window: Annotated[
+        str | None, typer.Option(help="Window for acceptance min/max (default: min(5m, range/10)).")
+    ] = None,
+    pool_label: Annotated[str, typer.Option(help="Target label naming the pool on vLLM series.")] = "pool",
+    output_format: Annotated[str, typer.Option("--format", help="markdown | json.")] = "markdown",
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write the report here (default: stdout).")] = None,
+) -> None:
+    """Playbook Phase 7: acceptance per pool and class, E2E speedup against the baseline, fallbacks, controller
+    transitions, recommendations."""
+    import json
+
+    from gateway.report import weekly_report
+    from gateway.report.promql import PromError
+    from gateway.report.weekly import render_markdown
+
+    if output_format not in ("markdown", "json"):
+        raise _fail("--format must be markdown or json")
+    try:
+        report = weekly_report(prometheus, baseline, range_=range_, window=window, pool_label=pool_label)
+    except (ValueError, PromError) as exc:
+        raise _fail(str(exc)) from exc
+    text = json.dumps(report, indent=2) + "\n" if output_format == "json" else render_markdown(report)
+    if out_file is None:
+        print(text, end="")
+    else:
+        out_file.write_text(text)
+        out.print(escape(f"written to {out_file}"), highlight=False)
+
+
+@bench_app.command("load")
+def bench_load_cmd(
+    url: Annotated[str, typer.Option(help="Base URL of an OpenAI-compatible server or of the gateway.")],
+    mix: Annotated[str, typer.Option(help="Traffic mix: a YAML file or a name in bench/mixes/.")] = "default",
+    rate: Annotated[float, typer.Option(help="Requests per second (poisson, constant).")] = 2.0,
+    arrival: Annotated[
+        str,
+        typer.Option(help="poisson | constant | burst:BASE,PEAK,PERIOD,LENGTH | step:RATE@SECONDS,RATE@SECONDS..."),
+    ] = "poisson",
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals (step: the sum of its segments).")] = 30.0,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Raw results, one JSON object per request.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and requests.")] = 7,
+    time_scale: Annotated[
+        float, typer.Option(help="The server's clock (a simulator's --time-scale): times are divided by it.")
+    ] = 1.0,
+) -> None:
+    """Open-loop load from a traffic mix: TTFT, TPOT, inter-chunk, E2E per class and goodput."""
+    from gateway.bench.load import bench_load, render_summary
+    from gateway.bench.mix import load_mix
+
+    try:
+        results, summaries = bench_load(
+            url,
+            load_mix(mix),
+            arrival=arrival,
+            rate=rate,
+            duration_s=duration,
+            seed=seed,
+            time_scale=time_scale,
+            out=out_file,
+        )
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render_summary(summaries, f"bench load: {len(results)} requests"), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("policies")
+def bench_policies_cmd(
+    mix: Annotated[str, typer.Option(help="Traffic mix: a YAML file or a name in bench/mixes/.")] = "default",
+    loads: Annotated[
+        str, typer.Option(help="Offered loads as fractions of capacity, comma-separated.")
+    ] = "0.1,0.3,0.5,0.7,0.9,1.1",
+    policies: Annotated[
+        str, typer.Option(help="Policies: standard, speculative, nginx, adaptive (comma-separated).")
+    ] = "standard,speculative,nginx,adaptive",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
+    duration: Annotated[float, typer.Option(help="Wall seconds of arrivals per load point.")] = 12.0,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 8,
+    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and requests (the same for every policy).")] = 7,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md, the plots, results.jsonl.")] = Path(
+        "bench-results/policies"
+    ),
+) -> None:
+    """Routing policies (2x standard, 2x speculative, the seed's NGINX rule, specgate adaptive) on simulated pools
+    across offered loads: report.md, PNG plots, raw JSONL."""
+    from gateway.bench.mix import load_mix
+    from gateway.bench.policies import Setup, bench_policies
+
+    try:
+        setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, duration_s=duration, seed=seed)
+        fractions = [float(x) for x in loads.split(",") if x.strip()]
+        names = tuple(p.strip() for p in policies.split(",") if p.strip())
+        bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(f"report: {out_dir / 'report.md'}", highlight=False)
+    out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
 
 
 def main() -> None:

@@ -69,6 +69,10 @@ from gateway.upstream import PoolClient, UpstreamResponse
 
 logger = logging.getLogger("specgate.forward")
 
+# How long a request runs before the gateway starts watching for its client's disconnect (ProxyResponse.__call__):
+# the upper bound on how late a disconnect cancels the upstream request.
+WATCH_AFTER_S = 0.05
+
 
 @dataclass(slots=True)
 class ProxyJob:
@@ -129,6 +133,7 @@ class ProxyResponse(Response):
         self._tap: StreamTap | None = None
         self._usage_body: bytes | None = None  # the body with stream_options.include_usage, once built
         self._usage_body_built = False
+        self._watcher: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; a small watcher cancels it when the client goes away.
@@ -138,7 +143,10 @@ class ProxyResponse(Response):
         if claim is not None:  # record what the client gets, to store it for replays
             send = claim.recording(send, lambda: self._client_gone)
             claim.start_renewal()
-        watch = asyncio.ensure_future(self._watch(receive, task))
+        # The watcher starts only once the request has run for WATCH_AFTER_S: most requests to a fast upstream are
+        # answered before, and a timer costs a tenth of a task. A disconnect before it starts is still seen at once
+        # when it starts (the server's receive() answers http.disconnect for a client already gone).
+        start = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch, receive, task)
         try:
             await self._run(send)
         except asyncio.CancelledError:
@@ -158,7 +166,9 @@ class ProxyResponse(Response):
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             logger.exception("error after the commit point of %s", self.job.record.request_id)
         finally:
-            watch.cancel()
+            start.cancel()
+            if self._watcher is not None:
+                self._watcher.cancel()
             stored = None
             try:
                 if self._tap is not None and self._tap.sample is not None:
@@ -170,6 +180,9 @@ class ProxyResponse(Response):
             finally:
                 if claim is not None:  # after the last byte went out: the client does not wait for it
                     await claim.settle(stored)
+
+    def _start_watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:
@@ -224,7 +237,7 @@ class ProxyResponse(Response):
             if failures:
                 last = failures[-1]
                 if not lease.try_retry():
-                    metrics.upstream_attempts.labels(pool.name, "budget_exhausted").inc()
+                    metrics.attempt_done(pool.name, "budget_exhausted")
                     raise exhausted(failures, budget_refused=True)
                 if last.pool != pool.name:
                     metrics.fallbacks.labels(rec.traffic_class, last.pool, pool.name, last.result).inc()
@@ -234,7 +247,7 @@ class ProxyResponse(Response):
             if rec.upstream_start is None:
                 rec.upstream_start = started
             ep.in_flight += 1
-            metrics.in_flight.labels(pool.name).inc()
+            metrics.pool_in_flight(pool.name).inc()
             opened: _Opened | None = None
             try:
                 opened = await self._attempt(pool, ep, client, headers)
@@ -242,17 +255,17 @@ class ProxyResponse(Response):
                 result = failure_result(exc)
                 status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
                 rec.attempt(pool.name, ep.id, started, status, exc.message)
-                metrics.upstream_attempts.labels(pool.name, result).inc()
+                metrics.attempt_done(pool.name, result)
                 failures.append(AttemptFailure(pool.name, ep.id, exc, result))
                 self.policy.failed(ep, exc, self.pools.values())
                 continue
             finally:
                 if opened is None:
                     ep.in_flight -= 1
-                    metrics.in_flight.labels(pool.name).dec()
+                    metrics.pool_in_flight(pool.name).dec()
             status = opened.response.status
             rec.attempt(pool.name, ep.id, started, status, None)
-            metrics.upstream_attempts.labels(pool.name, status_result(status)).inc()
+            metrics.attempt_done(pool.name, status_result(status))
             self.policy.answered(ep, status, self.pools.values())
             return opened
         raise exhausted(failures)
@@ -481,4 +494,4 @@ class ProxyResponse(Response):
         # the generation upstream (vLLM aborts a request whose client went away).
         opened.response.abort()
         opened.endpoint.in_flight -= 1
-        self.metrics.in_flight.labels(opened.pool.name).dec()
+        self.metrics.pool_in_flight(opened.pool.name).dec()

@@ -158,6 +158,8 @@ class GatewayMetrics:
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._in_flight: dict[str, Any] = {}
+        self._attempts: dict[tuple[str, str], Any] = {}
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
         self.shared_dir: str | None = None
 
@@ -271,6 +273,21 @@ class GatewayMetrics:
         """Lifespan shutdown of a worker: its gauges stop counting (its counters and histograms stay)."""
         if self.shared_dir is not None:
             _forget_process(os.getpid(), self.shared_dir)
+
+    def pool_in_flight(self, pool: str) -> Any:
+        """The ``in_flight`` child of ``pool``, looked up once (the attempt loop moves it twice per request)."""
+        child = self._in_flight.get(pool)
+        if child is None:
+            child = self._in_flight[pool] = self.in_flight.labels(pool)
+        return child
+
+    def attempt_done(self, pool: str, result: str) -> None:
+        """Count one upstream attempt (``upstream_attempts``), its child looked up once per label set."""
+        key = (pool, result)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = self.upstream_attempts.labels(pool, result)
+        child.inc()
 
     def observe_request(
         self, cls: str, pool: str, outcome: Outcome, e2e_s: float, ttft_s: float | None, overhead_s: float | None

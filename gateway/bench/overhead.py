@@ -5,8 +5,10 @@ the upstream itself (``direct``), the simplest pass-through proxy with httpx's d
 (``gateway.bench.minimal_proxy``), and a real ``specgate serve`` process (classification, routing, header
 hygiene, metrics, one JSON log line per request); non-streaming and streaming (16 events), at each connection
 count. It reports requests/s, p50 and p99 latency, the latency each adds to ``direct``, and throughput ratios
-against ``direct`` and against the minimal aiohttp proxy. wrk (Debian package ``wrk``) generates the load: a C load
-generator on one thread leaves the most CPU to the processes under test on a small machine.
+against ``direct`` and against the minimal aiohttp proxy; for streams at one connection, the time to first event
+(a socket client that times it) and the relay cost per event; and the issue's targets, met or not.
+wrk (Debian package ``wrk``) generates the load: a C load generator on one thread leaves the most CPU to the
+processes under test on a small machine.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from gateway.demo import free_port, wait_for_port
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 _LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = '{body}'
+{extra}wrk.body = '{body}'
 """
+LONG_STREAM_EVENTS = 256  # the second stream length: (added(256) - added(16)) / 240 is the relay cost per event
 _BODY = (
     '{{"model": "static", "temperature": 0.2, "max_tokens": 64, "stream": {stream}, '
     '"messages": [{{"role": "system", "content": "You are a helpful assistant."}}, '
@@ -128,7 +131,60 @@ def _rules(upstream_url: str) -> dict[str, object]:
     }
 
 
-def bench_overhead(connections: list[int], duration_s: int, *, prompt_chars: int = 2000) -> list[OverheadRow]:
+@dataclass(frozen=True, slots=True)
+class StreamCost:
+    """Streams at one connection: time to first token per target (a socket client that times the first event),
+    and wrk's p50 for a 16-event and a LONG_STREAM_EVENTS-event stream (relay cost per event)."""
+
+    ttft_p50_s: dict[str, float]
+    ttft_p99_s: dict[str, float]
+    short_p50_s: dict[str, float]
+    long_p50_s: dict[str, float]
+
+    def added_ttft_ms(self, target: str, pct: str = "p50") -> float:
+        d = self.ttft_p50_s if pct == "p50" else self.ttft_p99_s
+        return (d[target] - d["direct"]) * 1000
+
+    def relay_us_per_event(self, target: str) -> float:
+        extra = (self.long_p50_s[target] - self.long_p50_s["direct"]) - (
+            self.short_p50_s[target] - self.short_p50_s["direct"]
+        )
+        return extra / (LONG_STREAM_EVENTS - 16) * 1e6
+
+
+def measure_ttft(port: int, body: bytes, duration_s: float) -> tuple[float, float]:
+    """p50 and p99 time to the first SSE event over one keep-alive connection, requests one after the other."""
+    import socket
+    import time
+
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    samples: list[float] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        end = time.perf_counter() + duration_s
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            sock.sendall(request)
+            buf = b""
+            first: float | None = None
+            while not buf.endswith(b"0\r\n\r\n"):
+                data = sock.recv(65536)
+                if not data:
+                    raise RuntimeError("connection closed during a stream")
+                buf += data
+                if first is None and b"data:" in buf:
+                    first = time.perf_counter()
+            samples.append((first or time.perf_counter()) - start)
+    samples.sort()
+    return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
+def bench_overhead(
+    connections: list[int], duration_s: int, *, prompt_chars: int = 2000
+) -> tuple[list[OverheadRow], StreamCost]:
     """Measure every target at every connection count, non-streaming then streaming."""
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian: apt-get install wrk)")
@@ -137,9 +193,11 @@ def bench_overhead(connections: list[int], duration_s: int, *, prompt_chars: int
         d = Path(tmp)
         text = ("lorem ipsum dolor sit amet " * (prompt_chars // 27 + 1))[:prompt_chars]
         scripts = {}
-        for mode, stream in (("json", "false"), ("stream", "true")):
+        long_header = f'wrk.headers["x-static-events"] = "{LONG_STREAM_EVENTS}"\n'
+        for mode, stream, extra in (("json", "false", ""), ("stream", "true", ""), ("long", "true", long_header)):
             scripts[mode] = d / f"{mode}.lua"
-            scripts[mode].write_text(_LUA.format(body=_BODY.format(stream=stream, text=text)))
+            scripts[mode].write_text(_LUA.format(body=_BODY.format(stream=stream, text=text), extra=extra))
+        stream_body = _BODY.format(stream="true", text=text).encode()
         up_port = free_port()
         up_url = f"http://127.0.0.1:{up_port}"
         rules = d / "rules.yaml"
@@ -166,10 +224,27 @@ def bench_overhead(connections: list[int], duration_s: int, *, prompt_chars: int
                         run_wrk(url, scripts[mode], c, 1)  # warm connection pools and caches
                         results[target] = run_wrk(url, scripts[mode], c, duration_s)
                     rows.append(OverheadRow(mode, c, results))
-    return rows
+            ttft50: dict[str, float] = {}
+            ttft99: dict[str, float] = {}
+            short: dict[str, float] = {}
+            long: dict[str, float] = {}
+            for target in ("direct", "minimal-aiohttp", "specgate"):
+                port = up_port if target == "direct" else ports[target]
+                measure_ttft(port, stream_body, 0.5)  # warm
+                ttft50[target], ttft99[target] = measure_ttft(port, stream_body, duration_s)
+                url = urls[target] + "/v1/chat/completions"
+                short[target] = run_wrk(url, scripts["stream"], 1, duration_s).p50_s
+                run_wrk(url, scripts["long"], 1, 1)
+                long[target] = run_wrk(url, scripts["long"], 1, duration_s).p50_s
+    return rows, StreamCost(ttft50, ttft99, short, long)
 
 
-def render(rows: list[OverheadRow]) -> str:
+TARGET_ADDED_P50_MS = 0.5  # issue 7, "Done means": one worker, 1 connection
+TARGET_RPS_32 = 3000  # non-streaming, 32 connections, load tool and upstream on the same 2-core machine
+TARGET_ADDED_TTFT_MS = 1.0  # streams, p50
+
+
+def render(rows: list[OverheadRow], streams: StreamCost | None = None) -> str:
     head = (
         f"{'mode':<7}{'conns':>6} {'target':<16}{'req/s':>9}{'vs direct':>10}{'vs minimal':>11}"
         f"{'p50':>10}{'p99':>10}{'added p50':>11}{'added p99':>11}{'errors':>8}"
@@ -189,4 +264,48 @@ def render(rows: list[OverheadRow]) -> str:
                 f"{w.p50_s * 1000:>8.2f}ms{w.p99_s * 1000:>8.2f}ms{added50:>11}{added99:>11}{w.errors:>8}"
             )
         lines.append("")
+    if streams is not None:
+        lines.append(
+            f"streams at 1 connection (time to first event, socket client; relay cost from {LONG_STREAM_EVENTS}- vs "
+            "16-event streams, events arriving together)"
+        )
+        lines.append(
+            f"{'target':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'added p50':>11}{'added p99':>11}{'relay/event':>13}"
+        )
+        for target in ("direct", "minimal-aiohttp", "specgate"):
+            added = target != "direct"
+            lines.append(
+                f"{target:<16}{streams.ttft_p50_s[target] * 1000:>8.2f}ms{streams.ttft_p99_s[target] * 1000:>8.2f}ms"
+                + (
+                    f"{streams.added_ttft_ms(target):>9.2f}ms{streams.added_ttft_ms(target, 'p99'):>9.2f}ms"
+                    if added
+                    else " " * 22
+                )
+                + (f"{streams.relay_us_per_event(target):>11.1f}us" if added else "")
+            )
+        lines.append("")
+    lines.extend(_targets(rows, streams))
     return "\n".join(lines)
+
+
+def _targets(rows: list[OverheadRow], streams: StreamCost | None) -> list[str]:
+    """The issue's targets for ``specgate``, each with the measured value and the minimal aiohttp proxy's."""
+    out = ["targets (specgate; minimal aiohttp proxy in brackets, measured in the same run):"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    for r in rows:
+        if r.mode == "json" and r.connections == 1:
+            v, m = r.added_ms("specgate"), r.added_ms("minimal-aiohttp")
+            out.append(f"  added p50, 1 connection: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_P50_MS} ms): "
+                       f"{verdict(v <= TARGET_ADDED_P50_MS)}")  # fmt: skip
+        if r.mode == "json" and r.connections == 32:
+            v, m = r.results["specgate"].rps, r.results["minimal-aiohttp"].rps
+            out.append(f"  non-streaming req/s, 32 connections: {v:.0f} [{m:.0f}] (target >= {TARGET_RPS_32}): "
+                       f"{verdict(v >= TARGET_RPS_32)}")  # fmt: skip
+    if streams is not None:
+        v, m = streams.added_ttft_ms("specgate"), streams.added_ttft_ms("minimal-aiohttp")
+        out.append(f"  added TTFT p50: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_TTFT_MS} ms): "
+                   f"{verdict(v <= TARGET_ADDED_TTFT_MS)}")  # fmt: skip
+    return out

@@ -1,8 +1,9 @@
 """A static OpenAI-shaped upstream on raw asyncio, fast enough that it is never the bottleneck.
 
 For measuring the gateway's own cost: it answers every POST with the same chat completion (or, when the body
-asks for a stream, the same 16-event SSE stream) and every GET with 200, over HTTP/1.1 keep-alive. It parses
-just enough HTTP for well-behaved clients (wrk, aiohttp); it is not a general server.
+asks for a stream, the same 16-event SSE stream; N events with an ``x-static-events: N`` header) and every GET
+with 200, over HTTP/1.1 keep-alive. It parses just enough HTTP for well-behaved clients (wrk, aiohttp); it is not
+a general server.
 """
 
 from __future__ import annotations
@@ -57,6 +58,33 @@ _SSE_RESPONSE = (
     + b"0\r\n\r\n"
 )
 _EMPTY_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+EVENTS_HEADER = b"x-static-events:"  # a stream of this many content events instead of 16 (relay cost per chunk)
+_SSE_BY_COUNT: dict[int, bytes] = {16: _SSE_RESPONSE}
+
+
+def _sse_response(count: int) -> bytes:
+    cached = _SSE_BY_COUNT.get(count)
+    if cached is None:
+        events = [_chunk("ok ") for _ in range(count)] + [_chunk("", "stop"), b"data: [DONE]\n\n"]
+        cached = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"".join(_http_chunk(e) for e in events)
+            + b"0\r\n\r\n"
+        )
+        if len(_SSE_BY_COUNT) < 64:
+            _SSE_BY_COUNT[count] = cached
+    return cached
+
+
+def _header_int(head: bytes, name: bytes) -> int | None:
+    i = head.find(name)
+    if i < 0:
+        return None
+    end = head.find(b"\r\n", i)
+    try:
+        return int(head[i + len(name) : end if end > 0 else None].strip())
+    except ValueError:
+        return None
 
 
 class _StaticProtocol(asyncio.Protocol):
@@ -87,7 +115,8 @@ class _StaticProtocol(asyncio.Protocol):
             if head.startswith(b"get"):
                 self._transport.write(_EMPTY_RESPONSE)
             elif b'"stream":true' in body.replace(b" ", b""):
-                self._transport.write(_SSE_RESPONSE)
+                count = _header_int(head, EVENTS_HEADER)
+                self._transport.write(_SSE_RESPONSE if count is None else _sse_response(max(1, min(count, 100_000))))
             else:
                 self._transport.write(_JSON_RESPONSE)
 

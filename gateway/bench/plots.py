@@ -1,0 +1,147 @@
+"""``specgate bench policies``' outputs: PNG plots (matplotlib, Agg) and the markdown report with the target check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.bench.mix import Mix
+    from gateway.bench.policies import Point, Setup
+
+METRICS: tuple[tuple[str, str, Callable[[Point], float]], ...] = (
+    ("e2e_p50", "p50 E2E (s)", lambda p: p.summary.e2e[0]),
+    ("e2e_p99", "p99 E2E (s)", lambda p: p.summary.e2e[2]),
+    ("tpot_p50", "p50 TPOT (ms)", lambda p: p.summary.tpot[0] * 1000),
+    ("goodput", "goodput (req/s)", lambda p: p.summary.goodput_rps),
+)
+
+
+def _series(points: list[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in points:
+        out.setdefault(p.policy, []).append(p)
+    return {k: sorted(v, key=lambda p: p.load) for k, v in out.items()}
+
+
+def plot_points(points: list[Point], out_dir: Path) -> list[str]:
+    """One PNG per metric plus ``policies.png`` with all four; the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gateway.bench.policies import LABELS
+
+    series = _series(points)
+    names = []
+    fig_all, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for (key, label, get), ax_all in zip(METRICS, axes.flat, strict=True):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for target in (ax, ax_all):
+            for policy, pts in series.items():
+                target.plot([p.load * 100 for p in pts], [get(p) for p in pts], marker="o", label=LABELS[policy])
+            target.set_xlabel("offered load (% of capacity)")
+            target.set_ylabel(label)
+            target.grid(True, alpha=0.3)
+            target.legend(fontsize=8)
+        ax.set_title(label)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{key}.png", dpi=100)
+        plt.close(fig)
+        names.append(f"{key}.png")
+    fig_all.suptitle("specgate bench policies")
+    fig_all.tight_layout()
+    fig_all.savefig(out_dir / "policies.png", dpi=100)
+    plt.close(fig_all)
+    return ["policies.png", *names]
+
+
+def _fmt(v: float, digits: int = 2) -> str:
+    return "-" if math.isnan(v) else f"{v:.{digits}f}"
+
+
+def table(points: list[Point], get: Callable[[Point], float], digits: int = 2) -> str:
+    from gateway.bench.policies import LABELS
+
+    series = _series(points)
+    policies = list(series)
+    loads = sorted({p.load for p in points})
+    rate = {p.load: p.rate_rps for p in points}
+    head = "| offered load | req/s | " + " | ".join(LABELS[p] for p in policies) + " |"
+    lines = [head, "|" + "---:|" * (2 + len(policies))]
+    for load in loads:
+        cells = []
+        for policy in policies:
+            pt = next((p for p in series[policy] if p.load == load), None)
+            cells.append("-" if pt is None else _fmt(get(pt), digits))
+        lines.append(f"| {load:.0%} | {rate[load]:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def target_check(points: list[Point]) -> list[str]:
+    """The issue's policy target, line by line: met or not, with the numbers."""
+    by = {(p.policy, p.load): p.summary.e2e[2] for p in points}
+    loads = sorted({p.load for p in points})
+    have = {p.policy for p in points}
+    lines: list[str] = []
+    if "adaptive" not in have:
+        return ["- the adaptive policy was not run: no target check"]
+    mixed = [p for p in ("nginx",) if p in have]
+    homo = [p for p in ("standard", "speculative") if p in have]
+    if mixed:
+        bad = [f"{load:.0%}" for load in loads if by[("adaptive", load)] > min(by[(m, load)] for m in mixed)]
+        ok = "MET" if not bad else "NOT MET (at " + ", ".join(bad) + ")"
+        lines.append(f"- lowest p99 E2E of the mixed-fleet policies at every load: **{ok}**")
+    if homo:
+        worst = []
+        for load in loads:
+            best = min(by[(h, load)] for h in homo)
+            worst.append((by[("adaptive", load)] / best - 1.0, load))
+        bad = [f"{load:.0%} (+{r:.0%})" for r, load in worst if r > 0.10]
+        ok = "MET" if not bad else "NOT MET at " + ", ".join(bad)
+        lines.append(f"- within 10% of the best homogeneous fleet's p99 E2E at every load: **{ok}**")
+    if "nginx" in have:
+        top = loads[-1]
+        gain = 1.0 - by[("adaptive", top)] / by[("nginx", top)]
+        ok = "MET" if gain >= 0.20 else "NOT MET"
+        lines.append(
+            f"- beats the NGINX rule by >= 20% on p99 E2E at the highest load ({top:.0%}): {gain:.0%} **{ok}**"
+        )
+    return lines
+
+
+def render_report(
+    points: list[Point], mix: Mix, setup: Setup, capacity_how: str, plots: list[str], policies: tuple[str, ...]
+) -> str:
+    from gateway.bench.policies import LABELS, POLICY_FILES
+
+    adaptive = mix.rules or "routing_rules/default.yaml"
+    files = ", ".join(f"{LABELS[p]}: `{POLICY_FILES.get(p, adaptive)}`" for p in policies)
+    parts = [
+        f"# specgate bench policies: mix `{mix.name}`",
+        "",
+        mix.description,
+        "",
+        f"- policies (two simulated servers each): {files}",
+        f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale} "
+        f"(a batch of {setup.max_num_seqs} behaves like one of {setup.max_num_seqs * setup.scale} on the real "
+        f"server), clock x{setup.time_scale:g}, answers ~{setup.output_median:g} tokens (lognormal sigma "
+        f"{setup.output_sigma:g}); {setup.duration_s:g} wall seconds of Poisson arrivals per point, seed "
+        f"{setup.seed}, the same requests for every policy",
+        f"- capacity (100% load): {capacity_how}",
+        "- all times and rates on the simulated clock (wall time / time scale)",
+        "",
+        "## Policy target",
+        "",
+        *target_check(points),
+        "",
+    ]
+    for _key, label, get in METRICS:
+        parts += [f"## {label}", "", table(points, get, 1 if "ms" in label else 2), ""]
+    parts += ["## errors", "", table(points, lambda p: float(p.summary.errors), 0), ""]
+    parts += ["## share answered by a speculative server", "", table(points, lambda p: p.summary.spec_share, 2), ""]
+    parts += ["## Plots", "", *[f"![{name}]({name})" for name in plots], ""]
+    return "\n".join(parts)

@@ -1,0 +1,313 @@
+"""``specgate bench policies``: routing policies under the same open-loop mix, across offered loads.
+
+Every policy gets two simulated vLLM servers (``specgate sim``) and the gateway in front of them:
+
+- ``standard``: two standard servers (``bench/policies/standard-only.yaml``);
+- ``speculative``: two speculative servers (``bench/policies/speculative-only.yaml``);
+- ``nginx``: one of each behind the seed playbook's NGINX + Lua rule, ported as a routing file
+  (``bench/policies/nginx-seed.yaml``, missing temperature → speculative, as the Lua does);
+- ``adaptive``: one of each behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
+  mix), with its controllers; their time constants are scaled like the simulators' clocks
+  (``bench controller``'s ``scaled_rules``).
+
+The simulated servers are scaled-down copies of the 70B preset: a running batch of ``max_num_seqs`` (8) stands
+for one of ``max_num_seqs × scale`` (256), because every per-token cost (γ, γ_prefill, α of the target and the
+drafter) is multiplied by ``scale`` while the fixed per-step costs (δ, ε) are not. Step times, TTFT and TPOT at
+batch b are then those of the real server at batch b·scale, at 1/scale of its request rate: speculation keeps its
+low-load speedup and its loss near saturation, with few enough tokens per second for a 2-core machine. The
+adaptive rules' in-flight saturation thresholds are divided by ``scale`` for the same reason.
+
+Offered load is a fraction of the fleet's capacity, computed from the simulator's physics (not probed): two
+standard servers at a full batch, ``capacity = 2 / (E[output]·step(B)/B + E[prompt]·γ_prefill)`` with the mix's
+expected output and prompt lengths. The same seed gives every policy the same arrival times and requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.bench.controller import scaled_rules
+from gateway.bench.load import Result, Summary, arrival_times, run_load, summarise, write_jsonl
+from gateway.bench.mix import Mix, plan_request
+from gateway.demo import PRESET, free_port, spec_config_json, wait_for_port
+from gateway.sim.physics import step_time
+from gateway.sim.presets import get_preset
+from gateway.sim.wire import OutputLengths, count_tokens
+
+POLICIES = ("standard", "speculative", "nginx", "adaptive")
+LABELS = {
+    "standard": "2x standard",
+    "speculative": "2x speculative",
+    "nginx": "NGINX seed rule",
+    "adaptive": "specgate adaptive",
+}
+POLICY_FILES = {
+    "standard": "bench/policies/standard-only.yaml",
+    "speculative": "bench/policies/speculative-only.yaml",
+    "nginx": "bench/policies/nginx-seed.yaml",
+}
+DEFAULT_LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """How the simulated servers run."""
+
+    time_scale: float = 0.5
+    max_num_seqs: int = 8
+    scale: int = 32  # a batch of max_num_seqs stands for one of max_num_seqs × scale
+    output_median: float = 80.0
+    output_sigma: float = 0.5
+    duration_s: float = 12.0  # wall seconds of arrivals per load point
+    seed: int = 7
+
+    @property
+    def lengths(self) -> OutputLengths:
+        return OutputLengths(self.output_median, self.output_sigma)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    policy: str
+    load: float  # fraction of capacity
+    rate_rps: float  # offered, simulated requests per second
+    summary: Summary  # all classes
+    per_class: tuple[Summary, ...]
+    wall_s: float
+
+
+def _physics_args(setup: Setup, method: str | None) -> list[str]:
+    p = get_preset(PRESET)
+    f = setup.scale
+    t = p.target
+    args = ["--gamma-s", f"{t.gamma_s * f:g}", "--gamma-prefill-s", f"{t.gamma_prefill_s * f:g}"]
+    args += ["--alpha-s", f"{t.alpha_s * f:g}"]
+    if method is not None:
+        d = p.draft_for(method)
+        args += ["--draft-gamma-s", f"{d.gamma_s * f:g}", "--draft-alpha-s", f"{d.alpha_s * f:g}"]
+        args += ["--draft-gamma-prefill-s", f"{d.gamma_prefill_s * f:g}"]
+    return args
+
+
+def sim_command(setup: Setup, pool: dict[str, Any], port: int, seed: int) -> list[str]:
+    model = pool["models"][0]
+    cmd = [sys.executable, "-m", "gateway", "sim", model, "--port", str(port), "--preset", PRESET]
+    cmd += ["--time-scale", str(setup.time_scale), "--max-num-seqs", str(setup.max_num_seqs), "--seed", str(seed)]
+    cmd += ["--output-len-median", str(setup.output_median), "--output-len-sigma", str(setup.output_sigma)]
+    for m in pool["models"]:
+        cmd += ["--served-model-name", m]
+    spec = spec_config_json(pool)
+    method = None
+    if spec is not None:
+        cmd += ["--speculative-config", spec, "--per-request-spec-decode-metrics", "summary"]
+        method = json.loads(spec)["method"]
+    return cmd + _physics_args(setup, method)
+
+
+def policy_rules(policy: str, adaptive: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The routing rules of a policy, its pools' model (and speculative method) taken from the adaptive rules."""
+    pools = [p for p in adaptive["pools"] if p["name"] != adaptive.get("embeddings_pool")]
+    if policy == "adaptive":
+        rules: dict[str, Any] = dict(adaptive)
+        rules.pop("embeddings_pool", None)
+        rules["pools"] = pools
+        return rules
+    rules = yaml.safe_load((root / POLICY_FILES[policy]).read_text())
+    spec = next(p for p in pools if p.get("kind") == "speculative")
+    model = spec["models"][0]
+    for p in rules["pools"]:
+        p["models"] = [model]
+        if p.get("kind") == "speculative":
+            p["speculative"] = dict(spec["speculative"])
+    return rules
+
+
+def _scaled_saturation(cls: dict[str, Any], scale: int) -> dict[str, Any]:
+    route = cls.get("route") or {}
+    sat = route.get("saturation")
+    if not isinstance(sat, dict) or "max_inflight_per_endpoint" not in sat or scale == 1:
+        return cls
+    c = dict(cls)
+    c["route"] = {**route, "saturation": {**sat, "max_inflight_per_endpoint": _ceil_div(sat, scale)}}
+    return c
+
+
+def _ceil_div(sat: dict[str, Any], scale: int) -> int:
+    return max(1, math.ceil(int(sat["max_inflight_per_endpoint"]) / scale))
+
+
+def bench_rules(rules: dict[str, Any], ports: dict[str, list[int]], setup: Setup) -> dict[str, Any]:
+    """The rules as the bench runs them: local endpoints, scaled time constants and saturation thresholds."""
+    out = dict(rules)
+    pools = []
+    for pool in rules["pools"]:
+        p = dict(pool)
+        p.pop("api_key_env", None)
+        p["endpoints"] = [
+            {"url": f"http://127.0.0.1:{port}", "weight": 1, "id": f"{p['name']}-sim-{i}"}
+            for i, port in enumerate(ports[p["name"]])
+        ]
+        pools.append(p)
+    out["pools"] = pools
+    out["classes"] = [_scaled_saturation(c, setup.scale) for c in rules["classes"]]
+    return scaled_rules(out, setup.time_scale)
+
+
+def servers_per_pool(rules: dict[str, Any]) -> dict[str, int]:
+    """Two servers per policy: both in the one pool of a homogeneous fleet, one per pool otherwise."""
+    names = [p["name"] for p in rules["pools"]]
+    if len(names) == 1:
+        return {names[0]: 2}
+    if len(names) != 2:
+        raise ValueError(f"a policy needs one or two pools, got {names}")
+    return dict.fromkeys(names, 1)
+
+
+def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str]:
+    """Simulated requests/s two standard servers sustain on this mix at a full batch (simulator physics)."""
+    rng = random.Random(setup.seed)
+    p = get_preset(PRESET)
+    outs, prompts = [], []
+    for i in range(n):
+        planned = plan_request(mix, "m", rng)
+        cap = planned.body.get("max_tokens") or 10**9
+        outs.append(min(setup.lengths.natural(i), int(cap)))
+        prompts.append(sum(count_tokens(str(m.get("content", ""))) for m in planned.body["messages"]))
+    mean_out = sum(outs) / n
+    mean_prompt = sum(prompts) / n
+    b = setup.max_num_seqs
+    f = setup.scale
+    t = p.target
+    target = replace(t, gamma_s=t.gamma_s * f, gamma_prefill_s=t.gamma_prefill_s * f, alpha_s=t.alpha_s * f)
+    ctx = mean_prompt + mean_out / 2
+    step = step_time(target, None, 0, b, 0, round(b * ctx))
+    per_request = mean_out * step / b + mean_prompt * target.gamma_prefill_s
+    cap = 2.0 / per_request
+    how = (
+        f"from the simulator's step model ({PRESET}, per-token costs x{f}): two standard servers at a full batch of "
+        f"{b}; step {step * 1000:.1f} ms, mean output {mean_out:.0f} tokens, mean prompt {mean_prompt:.0f} tokens "
+        f"-> {cap:.2f} requests/s (simulated clock)"
+    )
+    return cap, how
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def run_policy(
+    policy: str,
+    rules: dict[str, Any],
+    mix: Mix,
+    loads: list[float],
+    capacity_rps: float,
+    setup: Setup,
+    *,
+    jsonl: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Point]:
+    """Start the policy's two servers and the gateway; one open-loop run per load; stop everything."""
+    counts = servers_per_pool(rules)
+    ports = {name: [free_port() for _ in range(k)] for name, k in counts.items()}
+    procs: list[subprocess.Popen[bytes]] = []
+    points: list[Point] = []
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    spec_pools = frozenset(p["name"] for p in rules["pools"] if p.get("kind") == "speculative")
+    model = mix.model or rules["pools"][0]["models"][0]
+    try:
+        for pool in rules["pools"]:
+            for i, port in enumerate(ports[pool["name"]]):
+                procs.append(subprocess.Popen(sim_command(setup, pool, port, setup.seed + i), **quiet))  # type: ignore[call-overload]
+        with tempfile.TemporaryDirectory(prefix="specgate-policies-") as tmp:
+            for plist in ports.values():
+                for port in plist:
+                    wait_for_port(port, 30.0)
+            path = Path(tmp) / "rules.yaml"
+            path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
+            gw_port = free_port()
+            cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(gw_port)]
+            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
+            procs.append(subprocess.Popen(cmd))
+            wait_for_port(gw_port, 30.0)
+            url = f"http://127.0.0.1:{gw_port}"
+            for i, load in enumerate(loads):
+                rate = load * capacity_rps
+                times = arrival_times(
+                    "poisson", rate / setup.time_scale, setup.duration_s, random.Random(setup.seed + i)
+                )
+                start = time.monotonic()
+                results: list[Result] = asyncio.run(
+                    run_load(url, mix, times, model=model, seed=setup.seed + 100 + i, time_scale=setup.time_scale)
+                )
+                wall = time.monotonic() - start
+                sims = summarise(results, setup.duration_s / setup.time_scale, spec_pools)
+                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall))
+                if jsonl is not None:
+                    write_jsonl(jsonl, results, {"policy": policy, "load": load, "rate_rps": rate}, append=True)
+                s = sims[-1]
+                log(
+                    f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
+                    f"{s.errors} errors, E2E p50 {s.e2e[0]:.2f} s p99 {s.e2e[2]:.2f} s, "
+                    f"goodput {s.goodput_rps:.2f} req/s ({wall:.0f} s)"
+                )
+    finally:
+        _stop(procs)
+    return points
+
+
+def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:
+    """A rough wall-clock estimate: start-up per policy, arrivals plus the drain per load."""
+    return n_policies * (8.0 + n_loads * (setup.duration_s + 6.0))
+
+
+def bench_policies(
+    mix: Mix,
+    loads: list[float],
+    setup: Setup,
+    out_dir: Path,
+    *,
+    policies: tuple[str, ...] = POLICIES,
+    root: Path = Path("."),
+    log: Callable[[str], None] = print,
+) -> list[Point]:
+    """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``."""
+    from gateway.bench.plots import plot_points, render_report
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    adaptive = yaml.safe_load((root / (mix.rules or "routing_rules/default.yaml")).read_text())
+    capacity, how = estimate_capacity(mix, setup)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "results.jsonl"
+    jsonl.write_text("")
+    log(
+        f"capacity {capacity:.2f} req/s (simulated) = {capacity / setup.time_scale:.2f} req/s wall; "
+        f"planned: {len(policies)} policies x {len(loads)} loads x {setup.duration_s:g} s "
+        f"≈ {planned_seconds(len(policies), len(loads), setup) / 60:.1f} min"
+    )
+    points: list[Point] = []
+    for policy in policies:
+        rules = policy_rules(policy, adaptive, root)
+        points += run_policy(policy, rules, mix, loads, capacity, setup, jsonl=jsonl, log=log)
+    plots = plot_points(points, out_dir)
+    (out_dir / "report.md").write_text(render_report(points, mix, setup, how, plots, policies))
+    return points

@@ -1,0 +1,38 @@
+"""`specgate bench policies` end to end on a tiny sweep: simulated servers, the gateway, report, plots, JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.bench.mix import load_mix
+from gateway.bench.policies import Setup, bench_policies
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None:
+    mix = load_mix("default", ROOT / "bench" / "mixes")
+    setup = Setup(time_scale=0.5, duration_s=3.0, output_median=40.0)
+    lines: list[str] = []
+    points = bench_policies(
+        mix, [0.2, 0.8], setup, tmp_path, policies=("nginx", "adaptive"), root=ROOT, log=lines.append
+    )
+    assert "planned" in lines[0]
+    assert {(p.policy, p.load) for p in points} == {(a, b) for a in ("nginx", "adaptive") for b in (0.2, 0.8)}
+    assert all(p.summary.requests > 0 for p in points)
+    assert sum(p.summary.errors for p in points) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## p99 E2E (s)" in report
+    assert "NGINX seed rule" in report
+    assert "beats the NGINX rule" in report
+    for name in ("policies.png", "e2e_p50.png", "e2e_p99.png", "tpot_p50.png", "goodput.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == sum(p.summary.requests for p in points)
+    assert {r["policy"] for r in rows} == {"nginx", "adaptive"}
+    nginx = [r for r in rows if r["policy"] == "nginx" and r["status"] == 200]
+    assert {r["pool"] for r in nginx} == {"speculative"}  # the seed rule sends this whole mix to speculation
+    streamed = [r for r in rows if r["stream"] and r["status"] == 200]
+    assert streamed
+    assert all(r["ttft_s"] is not None and r["completion_tokens"] > 0 for r in streamed)
