@@ -34,13 +34,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.store.base import StoreUnavailable
-from gateway.store.redis import redact_url
+from gateway.store.redis import connection_pool
 
 logger = logging.getLogger("specgate.store")
 
@@ -226,25 +223,17 @@ class RedisOverrideStore:
         cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout_s: float = 0.5, max_connections: int = 8
     ) -> RedisOverrideStore:
         """Its own small connection pool on the idempotency store's URL, and one subscriber connection."""
-        try:
-            pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=socket_timeout_s,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                health_check_interval=10,
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                client_name="specgate-overrides",
-            )
-            subscriber = aioredis.Redis.from_url(
-                url, socket_connect_timeout=socket_timeout_s, health_check_interval=10, client_name="specgate-sub"
-            )
-        except ValueError as exc:
-            raise ValueError(f"invalid redis url {redact_url(url)!r}: {exc}") from None
-        kw = pool.connection_kwargs
-        where = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
-        return cls(aioredis.Redis(connection_pool=pool), subscriber, prefix=prefix, where=str(where))
+        pool, where = connection_pool(
+            url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            health_check_interval_s=10,
+            client_name="specgate-overrides",
+        )
+        subscriber = aioredis.Redis.from_url(
+            url, socket_connect_timeout=socket_timeout_s, health_check_interval=10, client_name="specgate-sub"
+        )
+        return cls(aioredis.Redis(connection_pool=pool), subscriber, prefix=prefix, where=where)
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
         detail = str(exc).strip() or "no detail"

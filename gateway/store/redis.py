@@ -122,6 +122,29 @@ def _record(raw: Any) -> Running | Completed | None:
     return Running(fp)
 
 
+def connection_pool(
+    url: str, *, max_connections: int, socket_timeout_s: float, health_check_interval_s: int, client_name: str
+) -> tuple[aioredis.BlockingConnectionPool, str]:
+    """A bounded pool with short timeouts and one quick reconnect, and where it points (for error messages, never
+    with the password). Shared by the idempotency and the override stores."""
+    try:
+        pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=socket_timeout_s,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            health_check_interval=health_check_interval_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            client_name=client_name,
+        )
+    except ValueError as exc:
+        raise ValueError(f"invalid redis url {redact_url(url)!r}: {exc}") from None
+    kw = pool.connection_kwargs
+    where = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    return pool, str(where)
+
+
 class RedisStore:
     """The shared store: see the module docstring for the record encoding and the scripts."""
 
@@ -152,22 +175,14 @@ class RedisStore:
         unbounded number of them when Redis is slow. ``health_check_interval_s``: a connection idle longer than
         that is PINGed before use, so one broken while idle is replaced instead of failing a request.
         """
-        try:
-            pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=socket_timeout_s,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                health_check_interval=health_check_interval_s,
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-                client_name="specgate",
-            )
-        except ValueError as exc:
-            raise ValueError(f"invalid redis url {redact_url(url)!r}: {exc}") from None
-        kw = pool.connection_kwargs
-        where = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
-        return cls(aioredis.Redis(connection_pool=pool), prefix=prefix, where=str(where))
+        pool, where = connection_pool(
+            url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+            client_name="specgate",
+        )
+        return cls(aioredis.Redis(connection_pool=pool), prefix=prefix, where=where)
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
         detail = str(exc).strip() or "no detail"
