@@ -91,14 +91,18 @@ class SSESplitter:
     received: each byte is scanned about once, and a long pending event is never copied per read.
     """
 
-    __slots__ = ("_buf", "_max", "_scanned")
+    __slots__ = ("_buf", "_cr", "_max", "_scanned")
 
     def __init__(self, max_pending_bytes: int = 16 * 1024 * 1024) -> None:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for an event end
         self._max = max_pending_bytes
+        self._cr = False  # a CR was seen: events may end in \r\n\r\n (the regex path from then on)
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if not self._cr and b"\r" not in chunk:
+            return self._feed_lf(chunk)
+        self._cr = True
         buf = self._buf
         buf += chunk
         events: list[bytes] = []
@@ -115,6 +119,26 @@ class SSESplitter:
         if len(buf) > self._max:
             raise SSEOverflow(f"an upstream event exceeds {self._max} bytes without ending")
         return events
+
+    def _feed_lf(self, chunk: bytes) -> list[bytes]:
+        """vLLM's framing (events end in "\\n\\n", no CR): bytes.split, about 4x cheaper per event than the regex.
+        The same leftmost non-overlapping cut as the regex path; still linear: the pending bytes are copied only
+        when an event has ended in them."""
+        buf = self._buf
+        start = max(0, len(buf) - 1)  # an end may straddle the previous read and this one
+        buf += chunk
+        if buf.find(b"\n\n", start) < 0:
+            self._scanned = len(buf)
+            if len(buf) > self._max:
+                raise SSEOverflow(f"an upstream event exceeds {self._max} bytes without ending")
+            return []
+        parts = bytes(buf).split(b"\n\n")
+        rest = parts.pop()
+        self._buf = bytearray(rest)
+        self._scanned = len(rest)
+        if len(rest) > self._max:
+            raise SSEOverflow(f"an upstream event exceeds {self._max} bytes without ending")
+        return [p + b"\n\n" for p in parts]
 
     @property
     def pending(self) -> bytes:

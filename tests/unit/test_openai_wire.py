@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.openai import SSESplitter, is_done_event, is_error_event, normalise_error, sse_error
@@ -95,3 +95,19 @@ def test_sse_error_ends_with_done() -> None:
 def test_normalise_error(status: int, body: bytes, message: str, type_: str, code: str, param: str | None) -> None:
     err = orjson.loads(normalise_error(status, body))["error"]
     assert err == {"message": message, "type": type_, "param": param, "code": code}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=80).map(lambda b: bytes(b"ab\n:"[x % 4] for x in b)),
+    cuts=st.lists(st.integers(0, 80), max_size=6),
+)
+def test_the_lf_fast_path_cuts_exactly_like_the_regex_path(data: bytes, cuts: list[int]) -> None:
+    points = sorted({c for c in cuts if c <= len(data)})
+    chunks = [data[i:j] for i, j in zip([0, *points], [*points, len(data)], strict=True)]
+    fast, general = SSESplitter(), SSESplitter()
+    general.feed(b"\r")  # a CR switches a splitter to the regex path for good
+    general._buf.clear()
+    general._scanned = 0
+    assert [e for c in chunks for e in fast.feed(c)] == [e for c in chunks for e in general.feed(c)]
+    assert fast.pending == general.pending
