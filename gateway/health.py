@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from gateway.metrics import GatewayMetrics
+from gateway.periodic import run_every
 from gateway.pools import EndpointState, PoolState
 
 logger = logging.getLogger("specgate.health")
@@ -95,14 +96,7 @@ class HealthChecker:
                             self._metrics.endpoint_ejected.labels(ep.pool, ep.id).set(0)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here must not stop the checks for good
-                logger.exception("health check round failed")
-            await asyncio.sleep(self._interval_s)
+        await run_every(self.check_all, lambda: self._interval_s, what="health check round", log=logger)
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

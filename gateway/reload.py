@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.audit import AuditRecord
+from gateway.periodic import run_every
 from gateway.rules.loader import ConfigIssue, RulesError, load_rules_text
 
 if TYPE_CHECKING:
@@ -211,17 +212,17 @@ class ConfigWatcher:
         return True
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                if await asyncio.to_thread(self.poll):
-                    await self._on_change()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception(
-                    "config watcher: polling %s failed; trying again in %.1f s", self.path, self.interval_s
-                )
+        await run_every(
+            self._poll_once,
+            lambda: self.interval_s,
+            what=f"config watcher: polling {self.path}",
+            log=logger,
+            sleep_first=True,
+        )
+
+    async def _poll_once(self) -> None:
+        if await asyncio.to_thread(self.poll):
+            await self._on_change()
 
 
 # ---------------------------------------------------------------------------------------------- old clients

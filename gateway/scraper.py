@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import aiohttp
 
 from gateway.metrics import GatewayMetrics
+from gateway.periodic import run_every
 from gateway.pools import EndpointState, PoolState
 from gateway.rules.schema import Scrape
 from gateway.scrape import EndpointLoad, MetricsFormatError, PoolLoad, PoolLoadView, parse_vllm_metrics_bytes
@@ -74,16 +75,7 @@ class Scraper:
     # -- the loop --------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            started = self._clock()
-            interval = self._config().interval_s
-            try:
-                await self.scrape_all()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here must not stop the scrapes for good
-                logger.exception("scrape round failed")
-            await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
+        await run_every(self.scrape_all, lambda: self._config().interval_s, what="scrape round", log=logger)
 
     async def scrape_all(self) -> None:
         """One round: every endpoint at once; then the pool metrics."""

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.periodic import run_every
 from gateway.store.base import ClaimResult, Completed, Running, Store, StoreUnavailable
 from gateway.store.memory import MemoryStore
 from gateway.store.redis import DEFAULT_PREFIX, RedisStore, redact_url
@@ -122,14 +123,7 @@ class StoreHealth:
         return True
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.check()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here must not stop the checks for good
-                logger.exception("idempotency store health check failed")
-            await asyncio.sleep(self.interval_s)
+        await run_every(self.check, lambda: self.interval_s, what="idempotency store health check", log=logger)
 
     # -- the Store protocol, delegated -----------------------------------------------------------------------
 
