@@ -414,13 +414,13 @@ class ProxyResponse(Response):
     async def _send_buffered(self, send: Send, opened: _Opened) -> None:
         resp, rec = opened.response, self.job.record
         body = opened.buffered_body or b""
-        ctype = resp.raw.headers.get("content-type", JSON_CONTENT_TYPE).encode("latin-1", "replace").decode("latin-1")
+        ctype = (resp.content_type or JSON_CONTENT_TYPE).encode("latin-1", "replace").decode("latin-1")
         if resp.status >= 400:
             body = normalise_error(resp.status, body)
             ctype = JSON_CONTENT_TYPE
             self.outcome = "client_error" if resp.status < 500 else "upstream_error"
         rec.status = resp.status
-        headers = self._response_headers(ctype, client_response_headers(resp.raw.raw_headers))
+        headers = self._response_headers(ctype, client_response_headers(resp.raw_headers))
         headers.append((b"content-length", str(len(body)).encode()))
         if self.job.idempotency is not None and resp.status < 500:
             self.job.idempotency.generated = True  # an answer the client may act on: stored for replays
@@ -437,7 +437,7 @@ class ProxyResponse(Response):
         assert opened.splitter is not None
         rec.status = resp.status
         self._tap = opened.tap
-        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw.raw_headers))
+        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw_headers))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.committed = True
         if self.job.idempotency is not None:

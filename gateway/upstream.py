@@ -1,25 +1,40 @@
-"""The HTTP client to the pools: one aiohttp session per pool, and failures mapped onto ``gateway.errors``.
+"""The HTTP client to the pools: one ``gateway.h1client`` connection pool per endpoint, failures mapped onto
+``gateway.errors``.
 
-Why aiohttp and not httpx's default transport: on this class of machine httpx's connection pool collapses
-under concurrency (470–780 req/s at 32 connections through a pass-through proxy, against 5.2k–5.9k for an
-aiohttp session; DESIGN.md, "The hot path"). The proxy needs only POST/GET with streaming bodies, which is
-what aiohttp's client does best; everything above this module sees plain bytes, statuses and our own errors.
+Why not httpx's default transport: on this class of machine its connection pool collapses under concurrency
+(470–780 req/s at 32 connections through a pass-through proxy; DESIGN.md, "The hot path"). Why not aiohttp's client,
+which does not collapse: it was still a third of the gateway's CPU per request (``gateway.h1client`` says where).
+The proxy needs only POST with a body of known length and the response as bytes; everything above this module sees
+plain bytes, statuses and our own errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
+from gateway.h1client import ConnectFailed, HostPool
 from gateway.pools import EndpointState
 from gateway.rules.schema import Pool as PoolSpec
 
-CHUNK_LIMIT = 2**16
+
+class RawResponse(Protocol):
+    """What the gateway reads of a pool's response (``gateway.h1client.H1Response``; test doubles)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...  # lower-case names
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+    async def read(self) -> bytes: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -27,7 +42,7 @@ class UpstreamResponse:
     """An upstream response whose headers have arrived; the body is still to be read or relayed."""
 
     status: int
-    raw: aiohttp.ClientResponse
+    raw: RawResponse
     on_close: Callable[[], None] | None = None  # called once, when the connection is released or closed
 
     def _closed(self) -> None:
@@ -43,24 +58,28 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         try:
             return await self.raw.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamConnectError(f"upstream broke while sending the body: {_describe(exc)}") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while reading the body") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamConnectError(f"upstream broke while sending the body: {_describe(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive. Raises UpstreamError when the connection breaks."""
         try:
-            async for chunk in self.raw.content.iter_any():
+            async for chunk in self.raw.iter_any():
                 yield chunk
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamConnectError(f"upstream connection broke: {_describe(exc)}") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamConnectError(f"upstream connection broke: {_describe(exc)}") from exc
 
     @property
     def content_type(self) -> str:
         return self.raw.headers.get("content-type", "")
+
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
+        return self.raw.raw_headers
 
     async def finish(self, timeout_s: float) -> None:
         """After [DONE]: read what is left of the body (the chunked terminator), then give the connection back.
@@ -89,51 +108,50 @@ def _describe(exc: BaseException) -> str:
 
 
 class PoolClient:
-    """One aiohttp session (one connection pool) for one pool's endpoints."""
+    """The connection pools (one ``HostPool`` per endpoint URL) for one pool's endpoints."""
 
     def __init__(self, spec: PoolSpec, environ: dict[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         self.spec = spec
-        self.api_key = env.get(spec.api_key_env) if spec.api_key_env else None
-        t = spec.timeouts
-        # connect: waiting for a free pooled connection plus the TCP connect; sock_connect: the TCP connect.
-        self._timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.first_byte_s, sock_connect=t.connect_s)
-        self.first_byte_s = t.first_byte_s
-        self._session: aiohttp.ClientSession | None = None
+        key = env.get(spec.api_key_env) if spec.api_key_env else None
+        self.api_key = key.strip() if key else None  # a key read from a secret file often ends in a newline
+        self.first_byte_s = spec.timeouts.first_byte_s
+        self._hosts: dict[str, HostPool] = {}
+        self.closed = False  # close() was called (retired after a reload)
 
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                limit=self.spec.max_connections * len(self.spec.endpoints),
-                limit_per_host=self.spec.max_connections,
-                ttl_dns_cache=30,
-                enable_cleanup_closed=True,
-                keepalive_timeout=4,  # below uvicorn's (vLLM's) 5 s, so we never reuse a connection it is closing
+    def _host(self, url: str) -> HostPool:
+        host = self._hosts.get(url)
+        if host is None:
+            t = self.spec.timeouts
+            host = self._hosts[url] = HostPool(
+                url,
+                limit=self.spec.max_connections,
+                connect_s=t.connect_s,
+                acquire_s=t.first_byte_s,  # waiting for a free pooled connection counts against the first byte
+                total_s=t.total_s,
+                keepalive_s=4.0,  # below uvicorn's (vLLM's) 5 s, so we never reuse a connection it is closing
             )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=self._timeout,
-                auto_decompress=True,  # we ask for identity; a pool that compresses anyway is decoded here
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                read_bufsize=CHUNK_LIMIT,
-            )
-        return self._session
+        return host
 
     async def post(self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send a request and wait for the response headers (bounded by the pool's total timeout)."""
-        session = self._ensure_session()
         try:
-            raw = await session.post(ep.url + path, data=body, headers=headers, allow_redirects=False)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise UpstreamUnreachable(f"connect timeout to {ep.id}: {_describe(exc)}") from exc
+            raw = await self._host(ep.url).request(path, body, headers)
+        except ConnectFailed as exc:
+            raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no response from {ep.id} within the total timeout") from exc
-        except (aiohttp.ClientConnectorError, aiohttp.ClientConnectorDNSError) as exc:
-            raise UpstreamUnreachable(f"cannot reach {ep.id}: {_describe(exc)}") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamConnectError(f"{ep.id} failed before the response: {_describe(exc)}") from exc
         return UpstreamResponse(raw.status, raw)
 
+    @property
+    def open_connections(self) -> int:
+        return sum(h.connections for h in self._hosts.values())
+
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        """Close every connection (a request that still uses this client afterwards opens new ones)."""
+        self.closed = True
+        hosts, self._hosts = self._hosts, {}
+        for host in hosts.values():
+            host.close()

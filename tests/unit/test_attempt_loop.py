@@ -79,6 +79,9 @@ class FakeRaw:
         self._parts = parts
         self.closed = False
 
+    def iter_any(self) -> AsyncIterator[bytes]:
+        return self.content.iter_any()
+
     async def read(self) -> bytes:
         out = b""
         for part in self._parts:

@@ -286,7 +286,7 @@ async def test_a_replaced_pool_client_is_closed_only_when_its_requests_are_done(
     ep = old.pools["std"].endpoints[0]
     ep.in_flight = 1  # a request (a stream) still open on the old config
     old_client = old.clients["std"]
-    old_client._ensure_session()
+    old_client._host(ep.url)  # an open connection pool
     rules = _rules()
     rules["pools"][1]["timeouts"]["total_s"] = 20  # a changed spec: a new client
     _write(rt.settings.rules, rules)
@@ -296,14 +296,13 @@ async def test_a_replaced_pool_client_is_closed_only_when_its_requests_are_done(
     assert rt.live.clients["spec"] is old.clients["spec"]
     assert rt.reloader.retirer.pending == 1
     await asyncio.sleep(0.1)
-    assert old_client._session is not None
-    assert not old_client._session.closed
+    assert not old_client.closed
     ep.in_flight = 0
     for _ in range(100):
-        if old_client._session.closed:
+        if old_client.closed:
             break
         await asyncio.sleep(0.01)
-    assert old_client._session.closed
+    assert old_client.closed
     assert rt.reloader.retirer.pending == 0
 
 
