@@ -30,6 +30,8 @@ import httptools
 
 # Body bytes buffered for a reader that is not reading (a slow client): above this, stop reading the socket.
 READ_HIGH_WATER = 4 * 2**16
+# A response head larger than this (all header lines together) is refused: a pool has no reason to send one.
+MAX_HEAD_BYTES = 2**16
 
 
 class ConnectFailed(OSError):
@@ -38,6 +40,13 @@ class ConnectFailed(OSError):
 
 class ConnectionBroken(ConnectionError):
     """The connection broke, or the response could not be parsed, before the response was complete."""
+
+
+def _encode_line(line: str) -> bytes:
+    try:
+        return line.encode("latin-1")
+    except UnicodeEncodeError:
+        return line.encode("utf-8", "replace")  # lone surrogates (undecodable environment bytes) replaced
 
 
 class H1Response:
@@ -99,6 +108,9 @@ class H1Response:
             if tail:
                 self._chunks.append(tail)
                 self._size += len(tail)
+            if not self._decoder.eof:
+                self._fail(ConnectionBroken(f"truncated {self.headers.get('content-encoding')} body"))
+                return
         self._eof = True
         self._wake()
 
@@ -172,9 +184,13 @@ class _Conn(asyncio.Protocol):
         self.response: H1Response | None = None
         self.lost = False
         self.keep_alive = False
-        self.idle_since = 0.0
+        self.idle_since = 0.0  # when the last response on this connection ended
+        self.abandoned = False  # we closed it: its end is not the end of a body
         self._framed = True  # the response has a Content-Length or chunked body (else it ends at EOF)
         self._messages = 0
+        self._in_head = False  # between message begin and headers complete (later header fields are trailers)
+        self._interim = False  # the message being parsed is a 1xx interim response
+        self._head_bytes = 0
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -205,7 +221,7 @@ class _Conn(asyncio.Protocol):
         r = self.response
         if r is None or r._eof:
             return
-        if r._head.done() and not self._framed and r._exc is None:
+        if r._head.done() and not self._framed and r._exc is None and exc is None and not self.abandoned:
             r._end()  # a body delimited by the connection's close (no Content-Length, not chunked)
         else:
             why = f": {exc}" if exc else ""
@@ -216,15 +232,28 @@ class _Conn(asyncio.Protocol):
         self._messages += 1
         if self._messages > 1:
             raise ConnectionBroken("more than one response to one request")
+        self._in_head = True
+        self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a chunked body's trailer field: not a header of the response
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ConnectionBroken(f"response head larger than {MAX_HEAD_BYTES} bytes")
         assert self.response is not None
         self.response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         r = self.response
         assert r is not None
-        r.status = self.parser.get_status_code()
+        self._in_head = False
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the real response follows
+            self._interim = True
+            r.raw_headers.clear()
+            return
+        r.status = status
         headers = r.headers
         for name, value in r.raw_headers:
             headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -246,7 +275,12 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self._interim:
+            self._interim = False
+            self._messages = 0
+            return
         self.keep_alive = self.parser.should_keep_alive()
+        self.idle_since = time.monotonic()
         self.response._end()
 
     # ---- used by HostPool and H1Response ----
@@ -255,6 +289,7 @@ class _Conn(asyncio.Protocol):
         self.response = response
         self._messages = 0
         self._framed = True
+        self._interim = False
         self.keep_alive = False
         self._timer = self.loop.call_at(deadline, self._deadline_passed)
         self.transport.writelines(payload)
@@ -275,11 +310,17 @@ class _Conn(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
+    @property
+    def usable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
     def abandon(self) -> None:
-        """Close the connection now; the request's slot is given back by ``finish``."""
+        """Close the connection now, unsent bytes and all (``close()`` would wait for a peer that does not read);
+        the request's slot is given back by ``finish``."""
         self.keep_alive = False
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        self.abandoned = True
+        if self.transport is not None:
+            self.transport.abort()
 
     def finish(self, *, reusable: bool) -> None:
         """The response is done with: cancel the deadline and give the connection (or its slot) back."""
@@ -288,7 +329,7 @@ class _Conn(asyncio.Protocol):
             self._timer = None
         self.response = None
         self.resume()
-        self.pool.give_back(self, reusable and self.keep_alive and not self.lost)
+        self.pool.give_back(self, reusable and self.keep_alive and self.usable)
 
 
 class HostPool:
@@ -303,9 +344,8 @@ class HostPool:
         self.port = parts.port or (443 if self.https else 80)
         self.base_path = parts.path.rstrip("/")
         default_port = self.port == (443 if self.https else 80)
-        self.host_header = self.host if default_port else f"{self.host}:{self.port}"
-        if ":" in self.host and not default_port:  # an IPv6 literal
-            self.host_header = f"[{self.host}]:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        self.host_header = host if default_port else f"{host}:{self.port}"
         self.limit = limit
         self.connect_s = connect_s
         self.acquire_s = acquire_s
@@ -323,23 +363,25 @@ class HostPool:
 
         Raises ConnectFailed, ConnectionBroken or TimeoutError. A cancelled wait closes the connection."""
         deadline = self.loop.time() + self.total_s
+        head = self._head(path, len(body), headers)
         conn = await self._acquire()
         response = H1Response(conn)
-        head = [f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.host_header}\r\ncontent-length: {len(body)}\r\n"]
-        head.extend([f"{k}: {v}\r\n" for k, v in headers.items()])
-        head.append("\r\n")
-        text = "".join(head)
         try:
-            encoded = text.encode("latin-1")
-        except UnicodeEncodeError:
-            encoded = text.encode("utf-8")
-        conn.start(response, [encoded, body], deadline)
-        try:
+            conn.start(response, [head, body], deadline)
             await response._head
         except BaseException:
             response.close()
             raise
         return response
+
+    def _head(self, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+        lines = [f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.host_header}\r\ncontent-length: {length}\r\n"]
+        lines.extend([f"{k}: {v}\r\n" for k, v in headers.items()])
+        lines.append("\r\n")
+        try:
+            return "".join(lines).encode("latin-1")  # what the gateway's HTTP server decoded client headers with
+        except UnicodeEncodeError:  # one of our own values (a pool's API key): that line as UTF-8
+            return b"".join(_encode_line(line) for line in lines)
 
     async def _acquire(self) -> _Conn:
         if self.closed:
@@ -356,7 +398,7 @@ class HostPool:
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < self.keepalive_s:
+            if conn.usable and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.abandon()
         try:
@@ -388,7 +430,6 @@ class HostPool:
 
     def give_back(self, conn: _Conn, reusable: bool) -> None:
         if reusable and not self.closed:
-            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.abandon()
@@ -407,4 +448,6 @@ class HostPool:
         self.closed = True
         self._idle.clear()
         for conn in list(self._all):
+            if conn.response is not None:
+                conn.response._fail(ConnectionBroken("the pool's client was closed (the routing file was reloaded)"))
             conn.abandon()

@@ -2,9 +2,13 @@
 
 - ``physics``: cost models, the per-step latency model, acceptance by temperature/task/method, token sampling (pure).
 - ``presets``: the modelled deployments (``--preset``).
-- ``engine``: one engine loop per server: continuous batching on a simulated clock (``time_scale``).
+- ``engine``: one engine loop per server: continuous batching on a simulated clock (``time_scale``); ``batch``: its
+  step mechanics (scheduling, emission, preemption, KV blocks); ``sequence``: ``GenRequest`` / ``Generation``.
 - ``metrics``: vLLM's Prometheus metrics, exact names, types, labels and buckets.
-- ``wire`` / ``app`` / ``faults``: the HTTP surface of ``vllm serve``, fault injection, the ``/sim/*`` control API.
+- ``wire`` / ``app`` / ``faults``: the HTTP surface of ``vllm serve``, fault injection, the ``/sim/*`` control API;
+  ``wire`` re-exports ``framing``, ``parsing`` and ``pseudotext``; ``app`` uses ``state`` (``SimOptions``,
+  ``SimState``) and ``call`` (one generation request).
+- ``server`` / ``tuning``: running it (``SimServer``, ``specgate sim``) and the physics/acceptance overrides by name.
 
 It shares nothing with the proxy but utilities.
 """

@@ -381,3 +381,60 @@ def test_any_split_of_a_chunked_response_reads_the_same_body(parts: list[bytes],
             p.close()
 
     asyncio.run(run())
+
+
+async def test_interim_responses_are_skipped_and_trailers_are_not_headers() -> None:
+    wire = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\nset-cookie: evil=1\r\n\r\n"
+    )
+    async with server(await serve_forever(wire)) as (url, seen):
+        p = pool(url)
+        for _ in range(2):
+            r = await p.request("/x", b"{}", {})
+            assert r.status == 200
+            assert await r.read() == b"ok"
+            assert [k for k, _ in r.raw_headers] == [b"content-type", b"transfer-encoding"]
+            r.release()
+        assert seen.connections == 1
+        p.close()
+
+
+async def test_a_truncated_gzip_body_is_an_error() -> None:
+    packed = gzip.compress(b"x" * 5000)[:-10]
+    async with server(await serve_forever(fixed(packed, b"content-encoding: gzip\r\n"))) as (url, _seen):
+        p = pool(url)
+        r = await p.request("/x", b"{}", {})
+        with pytest.raises(ConnectionBroken, match="truncated"):
+            await r.read()
+        r.release()
+        p.close()
+
+
+async def test_closing_the_pool_fails_a_busy_request_at_once() -> None:
+    async def script(seen: Seen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(seen, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{")  # unframed: ends at close
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with server(script) as (url, _seen):
+        p = pool(url)
+        r = await p.request("/x", b"{}", {})
+        reading = asyncio.create_task(r.read())
+        await asyncio.sleep(0.05)
+        p.close()  # a reload retires the client: the body is not "complete" because we closed it
+        with pytest.raises(ConnectionBroken, match="closed"):
+            await asyncio.wait_for(reading, 2)
+        r.release()
+
+
+async def test_host_header_and_head_encoding() -> None:
+    p = pool("http://127.0.0.1:1")
+    assert pool("http://[::1]/v").host_header == "[::1]"
+    assert pool("http://[::1]:8000").host_header == "[::1]:8000"
+    assert pool("https://example.com:443/a/").host_header == "example.com"
+    head = p._head("/x", 2, {"x-latin": "caf\xe9", "authorization": "Bearer k\udcff\u20ac"})
+    assert b"\r\nx-latin: caf\xe9\r\n" in head  # client bytes go back as they came
+    assert b"\r\nauthorization: Bearer k?\xe2\x82\xac\r\n" in head  # our value: UTF-8, the surrogate replaced

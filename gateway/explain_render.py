@@ -1,0 +1,149 @@
+"""Rendering a routing explanation (the admin API's ``/admin/explain`` answer) for the terminal: the header
+lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, and ``_fmt``,
+the table-cell number format the admin CLI's other tables share.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    """A number for a table cell; '–' for unknown (null), never 0."""
+    if value is None or isinstance(value, bool):
+        return "–" if value is None else str(value).lower()
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            return "–"
+        return f"{value * scale:.{digits}f}{unit}"
+    return escape(str(value))
+
+
+def _roles(route: dict[str, Any] | None) -> dict[str, str]:
+    roles: dict[str, str] = {}
+    if not route:
+        return roles
+    for name in route.get("fallback") or []:
+        roles[name] = "fallback"
+    if route.get("saturated"):
+        roles[route["saturated"]] = "saturated"
+    roles[route["preferred"]] = "preferred"
+    return roles
+
+
+def _header_lines(data: dict[str, Any]) -> list[str]:
+    tc = data.get("traffic_class") or {}
+    route = tc.get("route")
+    f = data.get("features") or {}
+    lines = [f"[bold]class[/] {escape(str(tc.get('name')))}"]
+    if data.get("task_type") is not None:
+        lines[0] += f"   [bold]task[/] {escape(str(data['task_type']))} (from {escape(str(data.get('task_source')))})"
+    if route:
+        r = f"preferred {route['preferred']}"
+        if route.get("saturated"):
+            r += f", saturated {route['saturated']}"
+        if route.get("fallback"):
+            r += f", fallback {', '.join(route['fallback'])}"
+        lines.append(f"[bold]route[/] {escape(r)}")
+    if f:
+        lines.append(
+            "[bold]request[/] "
+            + escape(
+                f"model {f.get('model')}, temperature {_fmt(f.get('temperature'))}, top_p {_fmt(f.get('top_p'))}, "
+                f"max_tokens {_fmt(f.get('max_tokens'), digits=0)}, stream {_fmt(f.get('stream'))}, "
+                f"~{f.get('prompt_tokens')} prompt tokens, response_format {f.get('response_format')}, "
+                f"tools {_fmt(f.get('tools'))}"
+            )
+        )
+    ctl, choice = data.get("controller"), data.get("choice")
+    if ctl:
+        share = (choice or {}).get("share", ctl.get("share"))
+        text = f"state {ctl.get('state')}"
+        if share is not None:
+            text += f", speculative share {_fmt(share)}"
+        if ctl.get("last_reason"):
+            text += f", last change: {ctl['last_reason']}"
+        if ctl.get("holding"):
+            text += f", holding: {ctl['holding']}"
+        if ctl.get("guard_tripped"):
+            text += f", fallback guard tripped ({ctl.get('guard_cause')})"
+        if choice:
+            text += f"; this request: {choice.get('pick')}"
+        lines.append(f"[bold]controller[/] {escape(text)}")
+        obs = ctl.get("last_observation")
+        if obs:
+            lines.append(
+                "[bold]last observation[/] "
+                + escape(
+                    f"expected delay speculative {_fmt(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
+                    f"{_fmt(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
+                    f"{_fmt(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
+                )
+            )
+    elif tc.get("route") is not None:
+        lines.append("[bold]controller[/] none (static route)")
+    return lines
+
+
+def _live_table(data: dict[str, Any]) -> Table:
+    roles = _roles((data.get("traffic_class") or {}).get("route"))
+    t = Table(title="live pools (– unknown)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("pool", "role", "eps", "in-flt", "run", "wait", "KV", "TPOT", "accept", "len"):
+        t.add_column(col, justify="left" if col in ("pool", "role") else "right", no_wrap=True)
+    for name, p in (data.get("live") or {}).items():
+        if not p.get("known"):
+            t.add_row(escape(name), roles.get(name, ""), *["–"] * 8)
+            continue
+        t.add_row(
+            escape(name),
+            roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
+            f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
+            _fmt(p.get("in_flight"), digits=0),
+            _fmt(p.get("running"), digits=0),
+            _fmt(p.get("waiting"), digits=0),
+            _fmt(p.get("kv_usage"), "%", 100, 0),
+            _fmt(p.get("tpot_mean_s"), "ms", 1000, 1),
+            _fmt(p.get("acceptance_rate")),
+            _fmt(p.get("mean_acceptance_length")),
+        )
+    return t
+
+
+def _plan_table(plan: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"plan (max {plan.get('max_attempts')} attempts)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in ("attempt", "pool", "kind", "why"):
+        t.add_column(col, justify="right" if col == "attempt" else "left")
+    for s in plan.get("steps") or []:
+        t.add_row(str(s.get("attempt")), escape(str(s.get("pool"))), escape(str(s.get("kind"))), escape(s["reason"]))
+    for s in plan.get("skipped") or []:
+        t.add_row("–", escape(str(s.get("pool"))), "", f"[dim]skipped: {escape(str(s.get('reason')))}[/]")
+    return t
+
+
+def render(data: dict[str, Any], out: Console) -> None:
+    for line in _header_lines(data):
+        out.print(line, highlight=False, soft_wrap=True)
+    out.print(_live_table(data))
+    live = data.get("live") or {}
+    stale = [name for name, p in live.items() if p.get("known") and p.get("stale")]
+    if stale:
+        out.print(f"[dim]stale (no fresh scrape): {escape(', '.join(stale))}[/]", highlight=False, soft_wrap=True)
+    plan = data.get("plan") or {}
+    out.print(_plan_table(plan))
+    if len(plan.get("steps") or []) > 1:
+        out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
+    if plan.get("empty"):
+        out.print("[bold red]no pool can take this request now:[/] the gateway would answer 503", highlight=False)
+    cfg = data.get("config") or {}
+    out.print(f"[dim]config {escape(str(cfg.get('source')))} ({cfg.get('digest')})[/]", highlight=False)

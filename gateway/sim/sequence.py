@@ -1,0 +1,124 @@
+"""What one request is to the simulated engine: ``GenRequest`` (what the app submits), ``Generation`` (the handle
+it gets back: iterate it for each engine step's tokens, ``abort()`` it when the client leaves) and the two
+admission refusals, ``QueueFull`` and ``EngineDead``. The engine loop that drives them is ``engine.Engine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.sim.metrics import SpecStats
+
+if TYPE_CHECKING:
+    from gateway.sim.engine import Engine
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int  # tokens this request generates (the app's min(max_tokens, natural length))
+    acceptance: float  # this request's draft acceptance a (ignored by a standard server)
+    params_max_tokens: int | None = None
+    finish_reason: str = "length"  # reported when output_tokens is reached ("stop" or "length")
+
+
+class QueueFull(Exception):
+    """Admission refused by ``--max-num-queued-reqs`` (or ``--max-num-queued-tokens``): the app answers 503."""
+
+    def __init__(self, reason: str = "max_num_queued_reqs", limit: int | None = None) -> None:
+        super().__init__(f"request queue full ({reason}={limit})")
+        self.reason = reason
+        self.limit = limit
+
+
+class EngineDead(RuntimeError):
+    """The engine loop is stopped or crashed: ``submit`` is refused (``/health`` should answer 503)."""
+
+
+class Generation:
+    """One submitted request. Iterate it for the tokens of each engine step; ``abort()`` when the client leaves."""
+
+    __slots__ = (
+        "_aborted", "_blocks", "_bursts", "_computed", "_done", "_engine", "_finish_fut", "_out", "_target", "_waiter",
+        "acceptance", "arrival", "finished", "finished_reason", "first_token", "last_token", "num_preemptions",
+        "request", "request_id", "scheduled", "spec", "tokens",
+    )  # fmt: skip
+
+    def __init__(self, engine: Engine, req: GenRequest, arrival: float, k: int) -> None:
+        self._engine = engine
+        self.request = req
+        self.request_id = req.request_id
+        self.acceptance = req.acceptance
+        self.finished_reason: str | None = None
+        self.spec = SpecStats(num_spec_tokens=k, acceptance_histogram=[0] * (k + 1))
+        self.arrival: float | None = arrival
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finished: float | None = None
+        self.tokens = 0  # emitted so far
+        self.num_preemptions = 0
+        self._out = req.output_tokens
+        self._computed = 0  # tokens whose KV is computed
+        self._target = req.prompt_tokens  # prefill target: prompt (+ tokens made before a preemption)
+        self._blocks = 0  # KV blocks held
+        self._bursts: deque[int] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._finish_fut: asyncio.Future[None] | None = None
+        self._done = False
+        self._aborted = False
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[int]:
+        bursts = self._bursts
+        while True:
+            if bursts:
+                yield bursts.popleft()
+                continue
+            if self._done:
+                return
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiter = fut
+            try:
+                await fut
+            finally:
+                self._waiter = None
+
+    async def wait(self) -> None:
+        """Until the generation has finished (without consuming its bursts)."""
+        if self._done:
+            return
+        if self._finish_fut is None:
+            self._finish_fut = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._finish_fut)
+
+    def abort(self) -> None:
+        """The client went away: the sequence leaves the batch at the next step (``finished_reason`` "abort")."""
+        if self._done:
+            return
+        self._aborted = True
+        engine = self._engine
+        self._end("abort", engine.now())
+        engine._aborts += 1
+        engine._wake.set()
+
+    def _push(self, n: int) -> None:
+        self._bursts.append(n)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _end(self, reason: str, t: float) -> None:
+        self.finished_reason = reason
+        self.finished = t
+        self._done = True
+        for fut in (self._waiter, self._finish_fut):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
