@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, cast
 
 import orjson
 from starlette.applications import Starlette
@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.acceptance import temperature_band
 from gateway.classify import TASK_HEADER, Endpoint
@@ -289,6 +290,90 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _json(body, 500)
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]  # as the ones ``create_app`` registers
+
+
+class GatewayApp(Starlette):
+    """Starlette, with a direct way in for the proxy routes (most of the traffic).
+
+    Around a handler, Starlette runs two middlewares, the router's scan of the routes, and three wrappers of every
+    ``send`` (every event of a stream passes them): measured, 8-13% of the gateway's CPU per proxied request.
+    ``__call__`` gives a POST to one of ``proxy_routes`` straight to its handler, and does itself what that stack
+    does with an exception from it: the handler registered for its class (``GatewayError``, ``HTTPException``,
+    ``ClientDisconnect``) answers while no response has started; anything else, or a handled exception after the
+    start, goes to the ``Exception`` handler (the 500 envelope, unless the response started) and is raised again
+    for the server to log. Every other request (and one under a ``root_path``, or with middleware added) goes
+    through Starlette as before.
+    """
+
+    def __init__(self, proxy_routes: Mapping[str, Handler], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.proxy_routes = dict(proxy_routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            handler = self.proxy_routes.get(scope["path"])
+            if handler is not None and not self.user_middleware:
+                scope["app"] = self
+                await self._direct(handler, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _direct(self, handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
+        started = False
+
+        async def sender(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            response = await handler(request)
+            await response(scope, receive, sender)
+        except Exception as exc:
+            await self._failed(request, exc, started, send)
+
+    async def _failed(self, request: Request, exc: Exception, started: bool, send: Send) -> None:
+        """What ``ExceptionMiddleware`` and then ``ServerErrorMiddleware`` do with ``exc``."""
+        error: Exception = exc
+        handler = self._handler_for(exc)
+        if handler is not None:
+            if not started:
+                response = await handler(request, exc)
+                await response(request.scope, request.receive, send)
+                exc.__traceback__ = None  # as Starlette: a reused exception would pile up tracebacks
+                return
+            error = RuntimeError("Caught handled exception, but response already started.")
+            error.__cause__ = exc
+        fallback = cast(ErrorHandler, self.exception_handlers[Exception])
+        response = await fallback(request, error)
+        if not started:
+            await response(request.scope, request.receive, send)
+        raise error
+
+    def _handler_for(self, exc: Exception) -> ErrorHandler | None:
+        for cls in type(exc).__mro__:
+            if cls is Exception:
+                return None  # the last resort: ServerErrorMiddleware's, not ExceptionMiddleware's
+            handler = self.exception_handlers.get(cls)
+            if handler is not None:
+                return cast(ErrorHandler, handler)
+        return None
+
+
+def exception_handlers() -> dict[Any, ErrorHandler]:
+    """Errors as OpenAI envelopes: the gateway's own, Starlette's (404 / 405), a client gone, and a bug (500)."""
+    return {
+        GatewayError: _gateway_error,
+        HTTPException: _http_error,
+        ClientDisconnect: _client_gone,
+        Exception: _internal_error,
+    }
+
+
 def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
     """Build the app. Loads and validates the routing YAML now, so a broken file fails at start-up."""
     rt = runtime if runtime is not None else Runtime.from_settings(settings)
@@ -301,24 +386,23 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
         finally:
             await rt.stop()
 
+    proxy_routes: dict[str, Handler] = {
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+        "/v1/embeddings": embeddings,
+    }
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        *(Route(path, handler, methods=["POST"]) for path, handler in proxy_routes.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(
+    app = GatewayApp(
+        proxy_routes,
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={
-            GatewayError: _gateway_error,
-            HTTPException: _http_error,
-            ClientDisconnect: _client_gone,
-            Exception: _internal_error,
-        },
+        exception_handlers=exception_handlers(),
     )
     app.state.runtime = rt
     return app

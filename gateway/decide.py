@@ -162,11 +162,11 @@ def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[s
         if name in chosen or name in other_model:
             continue
         view = pools.get(name)
-        serves = view is not None and model in view.models
-        swap = view is not None and not serves and alt in view.models and name in route.fallback
         if view is None:
             skipped.append((name, "unknown pool"))
-        elif not serves and not swap:
+            continue
+        serves = model in view.models
+        if not serves and not (alt in view.models and name in route.fallback):  # nor route.fallback_model
             skipped.append((name, "model not served"))
         elif view.routable_endpoints == 0:
             skipped.append((name, "drained" if view.drained else "no routable endpoint"))

@@ -389,7 +389,7 @@ class ProxyResponse(Response):
         self, content_type: str, upstream: list[tuple[bytes, bytes]] | None = None
     ) -> list[tuple[bytes, bytes]]:
         """Upstream headers as raw bytes (never decoded and re-encoded), then ours."""
-        out = [(k, v) for k, v in (upstream or []) if k != b"content-type"]
+        out = [(k, v) for k, v in upstream if k != b"content-type"] if upstream else []
         pairs = [("content-type", content_type), *self.job.extra_headers]
         opened = self._opened
         if opened is not None:
@@ -398,7 +398,7 @@ class ProxyResponse(Response):
             if opened.model is not None:
                 pairs.append(("x-specgate-model", opened.model))
         pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
-        out.extend((k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs)
+        out += [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs]
         return out
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:

@@ -27,20 +27,13 @@ HOP_BY_HOP = frozenset(
 )
 # Set again by the HTTP client or server on each leg, or meaningless across it.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding", "expect"}
+_REQUEST_DROP_ID = _REQUEST_DROP | {"x-request-id"}  # set by the gateway
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "x-request-id"}
 _RESPONSE_DROP_B = frozenset(h.encode() for h in _RESPONSE_DROP)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # A random (version 4, RFC 9562 variant) UUID as 32 hex digits, as uuid.uuid4().hex, without building a UUID object.
 _UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
-
-
-def _connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
-    named: set[str] = set()
-    for k, v in headers:
-        if k.lower() == "connection":
-            named.update(t.strip().lower() for t in v.split(",") if t.strip())
-    return named
 
 
 def request_id(incoming: str | None) -> str:
@@ -54,14 +47,19 @@ def upstream_request_headers(
     client_headers: Iterable[tuple[str, str]], *, request_id: str, api_key: str | None
 ) -> dict[str, str]:
     """Headers to send to a pool: client headers minus hop-by-hop and credentials, plus id and pool key."""
-    items = list(client_headers)
-    drop = _REQUEST_DROP | _connection_named(items)
     out: dict[str, str] = {}
-    for k, v in items:
+    named: list[str] = []  # the values of Connection headers
+    for k, v in client_headers:
         lk = k.lower()
-        if lk in drop or lk == "x-request-id":
+        if lk in _REQUEST_DROP_ID:
+            if lk == "connection":
+                named.append(v)
             continue
         out[lk] = v
+    for v in named:  # a header named in Connection is dropped too, wherever it stood
+        for t in v.split(","):
+            if t.strip():
+                out.pop(t.strip().lower(), None)
     out["x-request-id"] = request_id
     out["content-type"] = "application/json"
     out["accept-encoding"] = "identity"
@@ -75,11 +73,16 @@ def client_response_headers(upstream_headers: Iterable[tuple[bytes, bytes]]) -> 
 
     Values are never decoded: HTTP allows obs-text bytes that are neither UTF-8 nor ours to judge.
     """
-    items = [(k.lower(), v) for k, v in upstream_headers]
-    drop = _RESPONSE_DROP_B | {
-        t.strip().lower().encode("latin-1")
-        for k, v in items
-        if k == b"connection"
-        for t in v.decode("latin-1").split(",")
-    }
-    return [(k, v) for k, v in items if k not in drop and not k.startswith(b"x-specgate-")]
+    out: list[tuple[bytes, bytes]] = []
+    named: set[bytes] = set()  # the headers named in Connection
+    for k, v in upstream_headers:
+        k = k.lower()
+        if k in _RESPONSE_DROP_B:
+            if k == b"connection":
+                named.update(t.strip().lower().encode("latin-1") for t in v.decode("latin-1").split(","))
+            continue
+        if not k.startswith(b"x-specgate-"):
+            out.append((k, v))
+    if named:
+        out = [(k, v) for k, v in out if k not in named]
+    return out

@@ -150,5 +150,7 @@ def is_done_event(event: bytes) -> bool:
 
 
 def is_error_event(event: bytes) -> bool:
+    if event.find(b"error", 0, 24) < 0:  # the usual event, decided without building the head
+        return False
     head = event[:24].replace(b" ", b"")
     return head.startswith(b'data:{"error"')

@@ -13,7 +13,7 @@ import hashlib
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.attempts import AttemptPolicy
@@ -54,6 +54,8 @@ class LiveConfig:
     clients: dict[str, PoolClient]
     models: tuple[str, ...]
     model_set: frozenset[str]
+    # The last view of each pool (``views``): immutable, handed out again while the pool's numbers are the same.
+    _views: dict[str, PoolView] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, rules: RoutingRules, source: str, text: str, previous: LiveConfig | None = None) -> LiveConfig:
@@ -90,20 +92,38 @@ class LiveConfig:
         return self.rules.version
 
     def views(self) -> dict[str, PoolView]:
-        return {
-            name: PoolView(
-                name=name,
-                kind=p.spec.kind,
-                models=p.models,
-                routable_endpoints=sum(1 for e in p.endpoints if e.routable),
-                in_flight=sum(e.in_flight for e in p.endpoints if e.routable),
-                drained=all(e.weight <= 0 for e in p.endpoints),
-            )
-            for name, p in self.pools.items()
-        }
+        """Every pool as the decision sees it now (read on every request: endpoint state changes all the time)."""
+        last = self._views
+        out: dict[str, PoolView] = {}
+        for name, p in self.pools.items():
+            out[name] = last[name] = _view(p, last.get(name))
+        return out
 
     def healthy_endpoints(self) -> int:
         return sum(p.healthy_count() for p in self.pools.values())
+
+
+def _view(pool: PoolState, last: PoolView | None) -> PoolView:
+    """The pool as the decision sees it now, in one pass over its endpoints; ``last`` again when its numbers are
+    the same (a frozen dataclass costs more to build than to compare)."""
+    routable = in_flight = 0
+    drained = True
+    for e in pool.endpoints:
+        if e.weight > 0:
+            drained = False
+            if e.healthy and not e.ejected:  # EndpointState.routable
+                routable += 1
+                in_flight += e.in_flight
+        elif not e.weight <= 0:  # NaN: neither routable nor drained
+            drained = False
+    if (
+        last is not None
+        and last.routable_endpoints == routable
+        and last.in_flight == in_flight
+        and last.drained is drained
+    ):
+        return last
+    return PoolView(pool.name, pool.spec.kind, pool.models, routable, in_flight, drained)
 
 
 def _clients(rules: RoutingRules, previous: LiveConfig | None) -> dict[str, PoolClient]:
