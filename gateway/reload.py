@@ -20,7 +20,7 @@ line) before anything changes. Invalid: nothing changes, the last good config ke
 ``specgate_config_reload_total{result="invalid"}`` counts it, the admin answer is a 422 listing every error. Valid:
 ``LiveConfig.build(..., previous=old)`` and one assignment ``runtime.live = new``. A request reads ``runtime.live``
 once and keeps that object (its pools and clients) to its end, so requests in flight finish under the config they
-started with. Clients (aiohttp sessions) of pools whose spec did not change are carried over; the others are
+started with. Clients (connection pools) of pools whose spec did not change are carried over; the others are
 closed by ``ClientRetirer`` only once the old pools have no request in flight (or after the pool's ``total_s``,
 which bounds every request made through that session anyway), never cutting an open stream. Then
 ``runtime.apply_overrides()`` drops the overrides that refer to pools or classes the new config removed; they are

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,5 +144,48 @@ def render_report(
         parts += [f"## {label}", "", table(points, get, 1 if "ms" in label else 2), ""]
     parts += ["## errors", "", table(points, lambda p: float(p.summary.errors), 0), ""]
     parts += ["## share answered by a speculative server", "", table(points, lambda p: p.summary.spec_share, 2), ""]
+    parts += harness_cpu(points)
     parts += ["## Plots", "", *[f"![{name}]({name})" for name in plots], ""]
     return "\n".join(parts)
+
+
+def harness_cpu(points: list[Point]) -> list[str]:
+    """The report's proof that the harness was not the bottleneck: each point's busiest process and the CPU of
+    all of them together (shares of one core; the machine has ``os.cpu_count()``)."""
+    from gateway.bench.cpu import SATURATED
+
+    measured = [p for p in points if p.cpu]
+    if not measured:
+        return ["## Harness CPU", "", "- not measured here (no /proc)", ""]
+    cores = os.cpu_count() or 1
+    hot = [
+        f"{p.policy} at {p.load:.0%} ({name} {share:.2f})"
+        for p in measured
+        for name, share in p.cpu.items()
+        if share > SATURATED
+    ]
+    full = [
+        f"{p.policy} at {p.load:.0%} (all together {sum(p.cpu.values()):.2f})"
+        for p in measured
+        if sum(p.cpu.values()) > SATURATED * cores
+    ]
+    verdict = (
+        f"- no process used more than {SATURATED:g} of a core, and all together less than {SATURATED:.0%} of the "
+        f"machine's {cores} cores, at any point: the simulated servers, not the Python event loops, set the latencies"
+        if not hot and not full
+        else "- **the harness may have been the bottleneck** at: " + "; ".join(hot + full)
+    )
+    return [
+        "## Harness CPU (share of one core during each point)",
+        "",
+        verdict,
+        "",
+        "busiest process:",
+        "",
+        table(points, lambda p: max(p.cpu.values()) if p.cpu else math.nan, 2),
+        "",
+        "all processes together (load generator, gateway, both servers):",
+        "",
+        table(points, lambda p: sum(p.cpu.values()) if p.cpu else math.nan, 2),
+        "",
+    ]

@@ -34,13 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gateway.bench.controller import scaled_rules
+from gateway.bench.cpu import CpuMeter
 from gateway.bench.load import Result, Summary, arrival_times, run_load, summarise, write_jsonl
 from gateway.bench.mix import Mix, plan_request
 from gateway.demo import PRESET, free_port, spec_config_json, wait_for_port
@@ -88,6 +89,7 @@ class Point:
     summary: Summary  # all classes
     per_class: tuple[Summary, ...]
     wall_s: float
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point
 
 
 def _physics_args(setup: Setup, method: str | None) -> list[str]:
@@ -248,29 +250,42 @@ def run_policy(
             procs.append(subprocess.Popen(cmd))
             wait_for_port(gw_port, 30.0)
             url = f"http://127.0.0.1:{gw_port}"
+            sim_pids = [p.pid for p in procs[:-1]]
+            servers = {f"server {i}": pid for i, pid in enumerate(sim_pids)}
+            meter = CpuMeter({"load generator": None, "gateway": procs[-1].pid, **servers})
             for i, load in enumerate(loads):
                 rate = load * capacity_rps
                 times = arrival_times(
                     "poisson", rate / setup.time_scale, setup.duration_s, random.Random(setup.seed + i)
                 )
                 start = time.monotonic()
+                meter.start()
                 results: list[Result] = asyncio.run(
                     run_load(url, mix, times, model=model, seed=setup.seed + 100 + i, time_scale=setup.time_scale)
                 )
+                cpu = meter.stop()
                 wall = time.monotonic() - start
                 sims = summarise(results, setup.duration_s / setup.time_scale, spec_pools)
-                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall))
+                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu))
                 if jsonl is not None:
                     write_jsonl(jsonl, results, {"policy": policy, "load": load, "rate_rps": rate}, append=True)
                 s = sims[-1]
                 log(
                     f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
                     f"{s.errors} errors, E2E p50 {s.e2e[0]:.2f} s p99 {s.e2e[2]:.2f} s, "
-                    f"goodput {s.goodput_rps:.2f} req/s ({wall:.0f} s)"
+                    f"goodput {s.goodput_rps:.2f} req/s ({wall:.0f} s; busiest process {busiest(cpu)})"
                 )
     finally:
         _stop(procs)
     return points
+
+
+def busiest(cpu: dict[str, float]) -> str:
+    """The process that used the most CPU during a point, as "name 0.42" (share of one core)."""
+    if not cpu:
+        return "unknown"
+    name = max(cpu, key=lambda k: cpu[k])
+    return f"{name} {cpu[name]:.2f}"
 
 
 def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:

@@ -26,6 +26,7 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     assert "## p99 E2E (s)" in report
     assert "NGINX seed rule" in report
     assert "beats the NGINX rule" in report
+    assert "## Harness CPU" in report
     for name in ("policies.png", "e2e_p50.png", "e2e_p99.png", "tpot_p50.png", "goodput.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]

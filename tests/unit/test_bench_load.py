@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +227,44 @@ def test_capacity_estimate_and_target_check() -> None:
     assert "NOT MET at 110% (+20%)" in lines[1]
     assert "52%" in lines[2]
     assert "**MET**" in lines[2]
+
+
+def test_cpu_meter_sees_a_busy_child_and_an_idle_one() -> None:
+    import subprocess
+    import sys
+
+    from gateway.bench.cpu import CpuMeter, cpu_seconds
+
+    if cpu_seconds(os.getpid()) is None:
+        pytest.skip("no /proc here")
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        time.sleep(0.3)  # past the interpreters' start-up
+        meter = CpuMeter({"busy": busy.pid, "idle": idle.pid, "me": None})
+        meter.start()
+        time.sleep(1.0)
+        cpu = meter.stop()
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert cpu["busy"] > 0.3  # a spinning process: most of a core even on a loaded machine
+    assert cpu["idle"] < 0.1
+    assert cpu["me"] < 0.5  # this process slept
+    assert CpuMeter({"gone": busy.pid}).stop() == {}  # a process that is gone is left out, not zero
+
+
+def test_the_report_says_whether_the_harness_was_the_bottleneck() -> None:
+    from gateway.bench.load import Summary
+    from gateway.bench.plots import harness_cpu
+
+    s = Summary("all", 10, 0, 1.0, 1.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (1.0, 1.0, 2.0))
+    cool = [Point("standard", 0.5, 1.0, s, (), 1.0, {"gateway": 0.2, "server 0": 0.3, "load generator": 0.1})]
+    assert "not the Python event loops" in "\n".join(harness_cpu(cool))
+    hot = [Point("adaptive", 1.1, 2.0, s, (), 1.0, {"gateway": 0.95, "server 0": 0.3})]
+    text = "\n".join(harness_cpu(hot))
+    assert "may have been the bottleneck" in text
+    assert "adaptive at 110% (gateway 0.95)" in text
+    assert "not measured" in "\n".join(harness_cpu([Point("standard", 0.5, 1.0, s, (), 1.0)]))
