@@ -425,6 +425,9 @@ def bench_policies_cmd(
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 8,
     scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and requests (the same for every policy).")] = 7,
+    repeats: Annotated[
+        int, typer.Option(help="Runs per load point, each with its own arrivals; percentiles over all of them.")
+    ] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md, the plots, results.jsonl.")] = Path(
         "bench-results/policies"
     ),
@@ -435,7 +438,16 @@ def bench_policies_cmd(
     from gateway.bench.policies import Setup, bench_policies
 
     try:
-        setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, duration_s=duration, seed=seed)
+        if repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        setup = Setup(
+            time_scale=time_scale,
+            max_num_seqs=max_num_seqs,
+            scale=scale,
+            duration_s=duration,
+            seed=seed,
+            repeats=repeats,
+        )
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         names = tuple(p.strip() for p in policies.split(",") if p.strip())
         bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print)

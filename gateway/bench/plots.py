@@ -130,8 +130,9 @@ def render_report(
         f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale} "
         f"(a batch of {setup.max_num_seqs} behaves like one of {setup.max_num_seqs * setup.scale} on the real "
         f"server), clock x{setup.time_scale:g}, answers ~{setup.output_median:g} tokens (lognormal sigma "
-        f"{setup.output_sigma:g}); {setup.duration_s:g} wall seconds of Poisson arrivals per point, seed "
-        f"{setup.seed}, the same requests for every policy",
+        f"{setup.output_sigma:g}); {setup.duration_s:g} wall seconds of Poisson arrivals per point"
+        + (f", {setup.repeats} runs per point with their own arrivals (percentiles over all)" * (setup.repeats > 1))
+        + f", seed {setup.seed}, the same requests for every policy",
         f"- capacity (100% load): {capacity_how}",
         "- all times and rates on the simulated clock (wall time / time scale)",
         "",

@@ -73,8 +73,9 @@ class Setup:
     scale: int = 32  # a batch of max_num_seqs stands for one of max_num_seqs × scale
     output_median: float = 80.0
     output_sigma: float = 0.5
-    duration_s: float = 12.0  # wall seconds of arrivals per load point
+    duration_s: float = 12.0  # wall seconds of arrivals per load point (per repeat)
     seed: int = 7
+    repeats: int = 1  # runs per load point with their own arrivals; percentiles over all their requests
 
     @property
     def lengths(self) -> OutputLengths:
@@ -255,20 +256,25 @@ def run_policy(
             meter = CpuMeter({"load generator": None, "gateway": procs[-1].pid, **servers})
             for i, load in enumerate(loads):
                 rate = load * capacity_rps
-                times = arrival_times(
-                    "poisson", rate / setup.time_scale, setup.duration_s, random.Random(setup.seed + i)
-                )
                 start = time.monotonic()
                 meter.start()
-                results: list[Result] = asyncio.run(
-                    run_load(url, mix, times, model=model, seed=setup.seed + 100 + i, time_scale=setup.time_scale)
-                )
+                results: list[Result] = []
+                for r in range(setup.repeats):  # repeat 0 has the seeds of a single run
+                    times = arrival_times(
+                        "poisson", rate / setup.time_scale, setup.duration_s, random.Random(setup.seed + i + 1000 * r)
+                    )
+                    run = asyncio.run(
+                        run_load(url, mix, times, model=model, seed=setup.seed + 100 + i + 1000 * r,
+                                 time_scale=setup.time_scale)
+                    )  # fmt: skip
+                    results += run
+                    if jsonl is not None:
+                        meta = {"policy": policy, "load": load, "rate_rps": rate, "repeat": r}
+                        write_jsonl(jsonl, run, meta, append=True)
                 cpu = meter.stop()
                 wall = time.monotonic() - start
-                sims = summarise(results, setup.duration_s / setup.time_scale, spec_pools)
+                sims = summarise(results, setup.repeats * setup.duration_s / setup.time_scale, spec_pools)
                 points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu))
-                if jsonl is not None:
-                    write_jsonl(jsonl, results, {"policy": policy, "load": load, "rate_rps": rate}, append=True)
                 s = sims[-1]
                 log(
                     f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
@@ -290,7 +296,7 @@ def busiest(cpu: dict[str, float]) -> str:
 
 def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:
     """A rough wall-clock estimate: start-up per policy, arrivals plus the drain per load."""
-    return n_policies * (8.0 + n_loads * (setup.duration_s + 6.0))
+    return n_policies * (8.0 + n_loads * setup.repeats * (setup.duration_s + 6.0))
 
 
 def bench_policies(

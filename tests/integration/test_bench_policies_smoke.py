@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None:
     mix = load_mix("default", ROOT / "bench" / "mixes")
-    setup = Setup(time_scale=0.5, duration_s=3.0, output_median=40.0)
+    setup = Setup(time_scale=0.5, duration_s=1.5, output_median=40.0, repeats=2)
     lines: list[str] = []
     points = bench_policies(
         mix, [0.2, 0.8], setup, tmp_path, policies=("nginx", "adaptive"), root=ROOT, log=lines.append
@@ -32,6 +32,8 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == sum(p.summary.requests for p in points)
     assert {r["policy"] for r in rows} == {"nginx", "adaptive"}
+    assert {r["repeat"] for r in rows} == {0, 1}  # two runs per point, pooled
+    assert "2 runs per point" in report
     nginx = [r for r in rows if r["policy"] == "nginx" and r["status"] == 200]
     assert {r["pool"] for r in nginx} == {"speculative"}  # the seed rule sends this whole mix to speculation
     streamed = [r for r in rows if r["stream"] and r["status"] == 200]
