@@ -237,15 +237,26 @@ app.add_typer(bench_app, name="bench")
 def bench_overhead_cmd(
     duration: Annotated[int, typer.Option(help="Seconds per measurement.")] = 10,
     connections: Annotated[str, typer.Option(help="Comma-separated connection counts.")] = "1,32",
+    tool: Annotated[
+        str, typer.Option(help="Load tool: wrk, builtin (a Python closed loop), or auto (wrk when installed).")
+    ] = "auto",
 ) -> None:
-    """Latency and throughput the gateway adds, against a static upstream (needs wrk)."""
-    from gateway.bench.overhead import bench_overhead, render
+    """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
+    from gateway.bench.overhead import bench_overhead, load_tool, render
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
-        rows, streams = bench_overhead(conns, duration)
-    except RuntimeError as exc:
+        chosen = load_tool(tool)
+        if chosen == "builtin":
+            out.print(
+                "load tool: built-in Python closed loop (wrk not used): its own CPU comes out of the same cores, "
+                "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
+                highlight=False,
+            )
+        rows, streams = bench_overhead(conns, duration, tool=chosen)
+    except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
+    out.print(f"load tool: {chosen}", highlight=False)
     out.print(render(rows, streams), highlight=False, soft_wrap=True)
 
 

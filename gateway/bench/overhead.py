@@ -13,6 +13,7 @@ processes under test on a small machine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import shutil
@@ -81,6 +82,35 @@ def parse_wrk(output: str) -> WrkResult:
     for m in re.finditer(r"Non-2xx or 3xx responses:\s+(\d+)|Socket errors:.*?(\d+).*?(\d+).*?(\d+).*?(\d+)", output):
         errors += sum(int(g) for g in m.groups() if g)
     return WrkResult(float(rps.group(1)), _seconds(p50.group(1)), _seconds(p99.group(1)), errors)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One kind of request: a wrk script, and the same body and headers for the built-in tool."""
+
+    script: Path
+    body: bytes
+    headers: dict[str, str]
+
+
+def load_tool(requested: str = "auto") -> str:
+    """``wrk`` when installed (or asked for), else ``builtin`` (``gateway.bench.closed_loop``)."""
+    if requested not in ("auto", "wrk", "builtin"):
+        raise ValueError(f"unknown load tool {requested!r}: auto, wrk or builtin")
+    if requested == "wrk" and shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian: apt-get install wrk)")
+    if requested == "auto":
+        return "wrk" if shutil.which("wrk") is not None else "builtin"
+    return requested
+
+
+def run_tool(tool: str, url: str, work: Workload, connections: int, duration_s: int) -> WrkResult:
+    if tool == "wrk":
+        return run_wrk(url, work.script, connections, duration_s)
+    from gateway.bench.closed_loop import drive
+
+    rps, p50, p99, errors = asyncio.run(drive(url, work.body, work.headers, connections, duration_s))
+    return WrkResult(rps, p50, p99, errors)
 
 
 def run_wrk(url: str, script: Path, connections: int, duration_s: int) -> WrkResult:
@@ -183,20 +213,23 @@ def measure_ttft(port: int, body: bytes, duration_s: float) -> tuple[float, floa
 
 
 def bench_overhead(
-    connections: list[int], duration_s: int, *, prompt_chars: int = 2000
+    connections: list[int], duration_s: int, *, prompt_chars: int = 2000, tool: str = "wrk"
 ) -> tuple[list[OverheadRow], StreamCost]:
-    """Measure every target at every connection count, non-streaming then streaming."""
-    if shutil.which("wrk") is None:
-        raise RuntimeError("wrk is not installed (Debian: apt-get install wrk)")
+    """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``)."""
     rows: list[OverheadRow] = []
     with tempfile.TemporaryDirectory(prefix="specgate-bench-") as tmp:
         d = Path(tmp)
         text = ("lorem ipsum dolor sit amet " * (prompt_chars // 27 + 1))[:prompt_chars]
-        scripts = {}
+        scripts: dict[str, Workload] = {}
         long_header = f'wrk.headers["x-static-events"] = "{LONG_STREAM_EVENTS}"\n'
         for mode, stream, extra in (("json", "false", ""), ("stream", "true", ""), ("long", "true", long_header)):
-            scripts[mode] = d / f"{mode}.lua"
-            scripts[mode].write_text(_LUA.format(body=_BODY.format(stream=stream, text=text), extra=extra))
+            body = _BODY.format(stream=stream, text=text)
+            script = d / f"{mode}.lua"
+            script.write_text(_LUA.format(body=body, extra=extra))
+            headers = {"content-type": "application/json"}
+            if extra:
+                headers["x-static-events"] = str(LONG_STREAM_EVENTS)
+            scripts[mode] = Workload(script, body.encode(), headers)
         stream_body = _BODY.format(stream="true", text=text).encode()
         up_port = free_port()
         up_url = f"http://127.0.0.1:{up_port}"
@@ -221,8 +254,8 @@ def bench_overhead(
                     results: dict[str, WrkResult] = {}
                     for target in TARGETS:
                         url = urls[target] + "/v1/chat/completions"
-                        run_wrk(url, scripts[mode], c, 1)  # warm connection pools and caches
-                        results[target] = run_wrk(url, scripts[mode], c, duration_s)
+                        run_tool(tool, url, scripts[mode], c, 1)  # warm connection pools and caches
+                        results[target] = run_tool(tool, url, scripts[mode], c, duration_s)
                     rows.append(OverheadRow(mode, c, results))
             ttft50: dict[str, float] = {}
             ttft99: dict[str, float] = {}
@@ -233,9 +266,9 @@ def bench_overhead(
                 measure_ttft(port, stream_body, 0.5)  # warm
                 ttft50[target], ttft99[target] = measure_ttft(port, stream_body, duration_s)
                 url = urls[target] + "/v1/chat/completions"
-                short[target] = run_wrk(url, scripts["stream"], 1, duration_s).p50_s
-                run_wrk(url, scripts["long"], 1, 1)
-                long[target] = run_wrk(url, scripts["long"], 1, duration_s).p50_s
+                short[target] = run_tool(tool, url, scripts["stream"], 1, duration_s).p50_s
+                run_tool(tool, url, scripts["long"], 1, 1)
+                long[target] = run_tool(tool, url, scripts["long"], 1, duration_s).p50_s
     return rows, StreamCost(ttft50, ttft99, short, long)
 
 

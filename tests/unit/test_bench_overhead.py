@@ -39,3 +39,17 @@ def test_parse_wrk_microseconds_and_garbage() -> None:
     assert r.p99_s == pytest.approx(1.2)
     with pytest.raises(RuntimeError):
         parse_wrk("wrk: connection refused")
+
+
+def test_load_tool_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.bench import overhead
+
+    monkeypatch.setattr(overhead.shutil, "which", lambda name: None)
+    assert overhead.load_tool("auto") == "builtin"
+    with pytest.raises(RuntimeError, match="apt-get install wrk"):
+        overhead.load_tool("wrk")
+    with pytest.raises(ValueError, match="unknown load tool"):
+        overhead.load_tool("hey!")
+    monkeypatch.setattr(overhead.shutil, "which", lambda name: "/usr/bin/wrk")
+    assert overhead.load_tool("auto") == "wrk"
+    assert overhead.load_tool("builtin") == "builtin"
