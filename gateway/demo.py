@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -105,6 +106,10 @@ def demo_rules(rules: dict[str, Any], ports: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
     from gateway.cli import run_server
 
@@ -114,6 +119,9 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
     ports = {p["name"]: free_port() for p in rules["pools"]}
     stand_ins = plan_stand_ins(rules, ports, time_scale=time_scale)
     procs = [subprocess.Popen(s.cmd) for s in stand_ins]
+    # uvicorn re-raises a captured SIGTERM once it has shut down; under the default handler that would end this
+    # process before the ``finally`` below and leave the simulated servers running. Exit through Python instead.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="specgate-demo-") as tmp:
         try:
             for s in stand_ins:

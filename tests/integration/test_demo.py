@@ -1,0 +1,59 @@
+"""`make run` (`specgate demo`) as a process: it serves, and a SIGTERM (docker stop, a supervisor) takes its
+simulated servers down with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway.demo import free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return " Z " not in stat  # a zombie has exited
+
+
+def test_demo_serves_and_sigterm_stops_its_simulated_servers() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 60.0)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+        sims = _children(proc.pid)
+        assert len(sims) == 2  # one simulated vLLM server per pool of the default routing file
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in sims) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in sims)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
