@@ -204,10 +204,15 @@ def test_baseline_and_weekly_report_against_a_real_prometheus(
         assert baseline["token_count_source"] == "usage"
         assert set(baseline["by_class"]) <= {"precise", "default"}
 
-        # more traffic: the precise class drafts with low acceptance until its guard moves it off
+        # more traffic: the precise class drafts with low acceptance until its guard moves it off. The guard counts
+        # whole windows (0.5 s here) with requests in them, so the traffic is spread over ~2 s: the simulated servers
+        # answer in ~20 ms, and one burst would fit inside a single window.
+        answers = []
         with httpx.Client(timeout=30) as http, ThreadPoolExecutor(4) as pool:
-            bodies = [CODE] * 16 + [CHAT] * 8
-            answers = list(pool.map(lambda b: http.post(f"{gw.url}/v1/chat/completions", json=b), bodies))
+            for _ in range(8):
+                bodies = [CODE, CODE, CHAT]
+                answers += list(pool.map(lambda b: http.post(f"{gw.url}/v1/chat/completions", json=b), bodies))
+                time.sleep(0.25)
         assert all(a.status_code == 200 for a in answers)
         assert wait_for(lambda: gateway_transitions(gw.url) >= 1, 5), "the acceptance guard never tripped"
         expected = gateway_transitions(gw.url)
