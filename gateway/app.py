@@ -314,11 +314,21 @@ class GatewayApp(Starlette):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             handler = self.proxy_routes.get(scope["path"])
-            if handler is not None and not self.user_middleware:
+            if handler is not None and self._direct_ok():
                 scope["app"] = self
                 await self._direct(handler, scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def _direct_ok(self) -> bool:
+        """The direct way in does what Starlette's stack does only for this app as ``create_app`` builds it: no
+        middleware, no body-size limit, no debug pages, and a last-resort ``Exception`` handler."""
+        return (
+            not self.user_middleware
+            and getattr(self, "max_body_size", None) is None
+            and not self.debug
+            and Exception in self.exception_handlers
+        )
 
     async def _direct(self, handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)

@@ -139,3 +139,39 @@ async def test_a_root_path_goes_through_starlette() -> None:
     assert "endpoint" in scope
     assert err is None
     assert sent[0]["status"] == 201
+
+
+async def test_an_app_built_differently_goes_through_starlette() -> None:
+    """The direct way in mirrors Starlette's stack only for the app create_app builds: with debug pages, a body
+    limit, middleware or no last-resort handler, every request takes Starlette's path."""
+    direct = _apps("ok")[0]
+    scope, _sent, _err = await _call(direct)
+    assert "endpoint" not in scope  # the direct way in: the router never saw it
+    handler = _handler("ok")
+    routes = [Route("/v1/chat/completions", handler, methods=["POST"])]
+    handlers = exception_handlers()
+    variants = [
+        GatewayApp({"/v1/chat/completions": handler}, routes=routes, exception_handlers=handlers, debug=True),
+        GatewayApp({"/v1/chat/completions": handler}, routes=routes, exception_handlers=handlers, max_body_size=10**6),
+        GatewayApp(
+            {"/v1/chat/completions": handler},
+            routes=routes,
+            exception_handlers={k: v for k, v in handlers.items() if k is not Exception},
+        ),
+    ]
+    for app in variants:
+        scope, sent, err = await _call(app)
+        assert "endpoint" in scope
+        assert err is None
+        assert sent[0]["status"] == 201
+
+
+def test_the_gateway_as_built_takes_the_direct_way() -> None:
+    from pathlib import Path
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    app = create_app(Settings(rules=Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"))
+    assert isinstance(app, GatewayApp)
+    assert app._direct_ok()

@@ -43,6 +43,8 @@ def test_done_and_error_events() -> None:
     assert is_error_event(b'data: {"error": {"message": "x"}}\n\n')
     assert is_error_event(b'data:{"error":{}}\n\n')
     assert not is_error_event(b'data: {"choices": [], "error_count": 0}\n\n')
+    assert is_error_event(b'data: { "error" : {}}\n\n')  # spaces between the tokens
+    assert not is_error_event(b'data: {"err or": 1}\n\n')  # a key that only looks like "error" without its spaces
 
 
 def test_sse_error_ends_with_done() -> None:
