@@ -1,12 +1,13 @@
 """The gateway's background loops: one step every interval, forever, where a bug in one step is logged and the
-loop goes on (a scrape, a health check or a file poll that raised once must not stop for good)."""
+loop goes on (a scrape, a health check or a file poll that raised once must not stop for good); and their end."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 
 async def run_every(
@@ -30,3 +31,13 @@ async def run_every(
         except Exception:  # a bug here must not stop the loop for good
             log.exception("%s failed", what)
         await asyncio.sleep(max(0.0, interval_s() - (time.monotonic() - started)))
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
+    """Cancel background tasks and wait until each has ended (their cancellation is not an error here)."""
+    pending = list(tasks)
+    for t in pending:
+        t.cancel()
+    for t in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t

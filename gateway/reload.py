@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.audit import AuditRecord
-from gateway.periodic import run_every
+from gateway.periodic import cancel_and_wait, run_every
 from gateway.rules.loader import ConfigIssue, RulesError, load_rules_text
 
 if TYPE_CHECKING:
@@ -278,12 +278,7 @@ class ClientRetirer:
 
     async def close_all(self) -> None:
         """Shutdown: stop waiting and close every retired client (a straggler may have reopened its session)."""
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         for c in list(self._pending | self._closed):
             await self._close(c)
 
@@ -347,12 +342,7 @@ class Reloader:
         if self._sighup:
             remove_sighup_handler()
             self._sighup = False
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         await self.retirer.close_all()
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> None:

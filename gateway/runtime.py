@@ -8,7 +8,6 @@ a mix. Endpoint state (health, in-flight counts) is carried over by endpoint id.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import random
@@ -26,6 +25,7 @@ from gateway.health import HealthChecker
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.overrides import Override, OverrideManager
+from gateway.periodic import cancel_and_wait
 from gateway.pools import PoolState
 from gateway.reload import Reloader, ReloadResult, config_digest
 from gateway.routing_state import RoutingState
@@ -273,11 +273,7 @@ class Runtime:
         self.reloader.start()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         await self.reloader.stop()
         await self.health.close()
