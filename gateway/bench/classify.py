@@ -12,7 +12,6 @@ each batch (batch time divided by its size). ``python -m gateway.bench.classify 
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from gateway.bench.load import percentile
 from gateway.classify import Classifier, Endpoint
 from gateway.rules.loader import load_rules_file
 from gateway.rules.schema import RoutingRules
@@ -231,13 +231,7 @@ def _time(requests: Sequence[BenchRequest], batch: int, one: Callable[[BenchRequ
         total += elapsed
         per_request.append(elapsed / len(chunk))
     per_request.sort()
-    return Timing(total / len(requests), _percentile(per_request, 0.50), _percentile(per_request, 0.99))
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of sorted values."""
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[k]
+    return Timing(total / len(requests), percentile(per_request, 0.50), percentile(per_request, 0.99))
 
 
 def bench_classify(rules: RoutingRules, *, n: int = 20000, seed: int = 0, batch: int = 100) -> ClassifyBenchResult:

@@ -13,13 +13,8 @@ import asyncio
 import time
 from urllib.parse import urlsplit
 
+from gateway.bench.load import percentile
 from gateway.h1client import HostPool
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 async def drive(
@@ -61,5 +56,4 @@ async def drive(
     finally:
         pool.close()
     elapsed = time.perf_counter() - start
-    latencies.sort()
     return len(latencies) / elapsed, percentile(latencies, 0.5), percentile(latencies, 0.99), errors
