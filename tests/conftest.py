@@ -16,8 +16,8 @@ import uvicorn
 import yaml
 from starlette.types import ASGIApp
 
-from gateway.app import create_app
-from gateway.settings import Settings
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
 from gateway.testing.fake_upstream import FakeConfig, FakeUpstreamServer
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"

@@ -23,9 +23,9 @@ from typing import Any
 import orjson
 
 from gateway.bench.load import percentile
-from gateway.classify import Classifier, Endpoint
-from gateway.rules.loader import load_rules_file
-from gateway.rules.schema import RoutingRules
+from gateway.config.loader import load_rules_file
+from gateway.config.schema import RoutingRules
+from gateway.routing.classify import Classifier, Endpoint
 
 _FILLER = (
     "the of and to in is that for it as with was on be by this are from at or an have not which but all can more "

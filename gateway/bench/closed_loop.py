@@ -2,7 +2,7 @@
 
 ``wrk`` (C, one thread) costs little CPU per request, so it hides nothing of the gateway's cost; it is what the
 overhead targets are measured with. Without it, this module drives N keep-alive connections from Python with the
-gateway's own lean client (``gateway.h1client``), each sending the next request when the last answer is read, and
+gateway's own lean client (``gateway.fleet.h1client``), each sending the next request when the last answer is read, and
 reports the same numbers. Its own CPU (tens of microseconds per request) comes out of the same two cores, so
 absolute rates are lower than with ``wrk``; the ratios between targets measured in one run stay comparable.
 """
@@ -14,7 +14,7 @@ import time
 from urllib.parse import urlsplit
 
 from gateway.bench.load import percentile
-from gateway.h1client import HostPool
+from gateway.fleet.h1client import HostPool
 
 
 async def drive(

@@ -31,7 +31,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.demo import demo_rules, free_port, plan_stand_ins, wait_for_port
+from gateway.sim.launch import free_port, plan_stand_ins, stand_in_rules, wait_for_port
 
 MODEL_PLACEHOLDER = "{model}"
 
@@ -352,7 +352,7 @@ def bench_controller(
             for s in stand_ins:
                 wait_for_port(s.port)
             path = Path(tmp) / "rules.yaml"
-            path.write_text(yaml.safe_dump(scaled_rules(demo_rules(rules, ports), time_scale), sort_keys=False))
+            path.write_text(yaml.safe_dump(scaled_rules(stand_in_rules(rules, ports), time_scale), sort_keys=False))
             port = free_port()
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "warning", "--admin-port", "0"]

@@ -2,7 +2,7 @@
 
 Starlette + uvicorn (uvloop, httptools), one upstream, no classification, no headers work, no metrics: what a
 proxy costs before it does anything useful. ``--client`` picks the upstream HTTP client, so the same run shows
-what httpx's default transport costs against aiohttp's (the reason ``gateway.upstream`` uses aiohttp).
+what httpx's default transport costs against aiohttp's (the reason ``gateway.fleet.upstream`` uses aiohttp).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.demo import free_port, wait_for_port
+from gateway.sim.launch import free_port, wait_for_port
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 _LUA = """wrk.method = "POST"

@@ -6,11 +6,9 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gateway.bench.mix import Mix
-    from gateway.bench.policies import Point, Setup
+from gateway.bench.mix import Mix
+from gateway.bench.points import LABELS, POLICY_FILES, Point, Setup
 
 METRICS: tuple[tuple[str, str, Callable[[Point], float]], ...] = (
     ("e2e_p50", "p50 E2E (s)", lambda p: p.summary.e2e[0]),
@@ -33,8 +31,6 @@ def plot_points(points: list[Point], out_dir: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from gateway.bench.policies import LABELS
 
     series = _series(points)
     names = []
@@ -65,7 +61,6 @@ def _fmt(v: float, digits: int = 2) -> str:
 
 
 def table(points: list[Point], get: Callable[[Point], float], digits: int = 2) -> str:
-    from gateway.bench.policies import LABELS
 
     series = _series(points)
     policies = list(series)
@@ -117,7 +112,6 @@ def target_check(points: list[Point]) -> list[str]:
 def render_report(
     points: list[Point], mix: Mix, setup: Setup, capacity_how: str, plots: list[str], policies: tuple[str, ...]
 ) -> str:
-    from gateway.bench.policies import LABELS, POLICY_FILES
 
     adaptive = mix.rules or "routing_rules/default.yaml"
     files = ", ".join(f"{LABELS[p]}: `{POLICY_FILES.get(p, adaptive)}`" for p in policies)

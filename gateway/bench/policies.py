@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,55 +42,14 @@ import yaml
 
 from gateway.bench.controller import scaled_rules
 from gateway.bench.cpu import CpuMeter
-from gateway.bench.load import Result, Summary, arrival_times, run_load, summarise, write_jsonl
+from gateway.bench.load import Result, arrival_times, run_load, summarise, write_jsonl
 from gateway.bench.mix import Mix, plan_request
-from gateway.demo import PRESET, free_port, spec_config_json, wait_for_port
+from gateway.bench.plots import plot_points, render_report
+from gateway.bench.points import LABELS, POLICIES, POLICY_FILES, Point, Setup
+from gateway.sim.launch import PRESET, free_port, spec_config_json, wait_for_port
 from gateway.sim.physics import step_time
 from gateway.sim.presets import get_preset
-from gateway.sim.wire import OutputLengths, count_tokens
-
-POLICIES = ("standard", "speculative", "nginx", "adaptive")
-LABELS = {
-    "standard": "2x standard",
-    "speculative": "2x speculative",
-    "nginx": "NGINX seed rule",
-    "adaptive": "specgate adaptive",
-}
-POLICY_FILES = {
-    "standard": "bench/policies/standard-only.yaml",
-    "speculative": "bench/policies/speculative-only.yaml",
-    "nginx": "bench/policies/nginx-seed.yaml",
-}
-DEFAULT_LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
-
-
-@dataclass(frozen=True, slots=True)
-class Setup:
-    """How the simulated servers run."""
-
-    time_scale: float = 0.5
-    max_num_seqs: int = 8
-    scale: int = 32  # a batch of max_num_seqs stands for one of max_num_seqs × scale
-    output_median: float = 80.0
-    output_sigma: float = 0.5
-    duration_s: float = 12.0  # wall seconds of arrivals per load point (per repeat)
-    seed: int = 7
-    repeats: int = 1  # runs per load point with their own arrivals; percentiles over all their requests
-
-    @property
-    def lengths(self) -> OutputLengths:
-        return OutputLengths(self.output_median, self.output_sigma)
-
-
-@dataclass(frozen=True, slots=True)
-class Point:
-    policy: str
-    load: float  # fraction of capacity
-    rate_rps: float  # offered, simulated requests per second
-    summary: Summary  # all classes
-    per_class: tuple[Summary, ...]
-    wall_s: float
-    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point
+from gateway.sim.wire import count_tokens
 
 
 def _physics_args(setup: Setup, method: str | None) -> list[str]:
@@ -310,7 +269,6 @@ def bench_policies(
     log: Callable[[str], None] = print,
 ) -> list[Point]:
     """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``."""
-    from gateway.bench.plots import plot_points, render_report
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:

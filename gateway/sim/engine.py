@@ -113,6 +113,11 @@ class Engine(_Batch):
 
     # -- public ---------------------------------------------------------------------------------------------
 
+    def note_abort(self) -> None:
+        """A generation was aborted: the next step drops it from the batch."""
+        self._aborts += 1
+        self._wake.set()
+
     def now(self) -> float:
         if self.virtual_clock:
             return self._vnow

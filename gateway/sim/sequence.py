@@ -9,12 +9,16 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.sim.metrics import SpecStats
 
-if TYPE_CHECKING:
-    from gateway.sim.engine import Engine
+
+class AbortSink(Protocol):
+    """What an aborted generation tells its engine: the time now, and that it must drop the sequence."""
+
+    def now(self) -> float: ...
+    def note_abort(self) -> None: ...
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Generation:
         "request", "request_id", "scheduled", "spec", "tokens",
     )  # fmt: skip
 
-    def __init__(self, engine: Engine, req: GenRequest, arrival: float, k: int) -> None:
+    def __init__(self, engine: AbortSink, req: GenRequest, arrival: float, k: int) -> None:
         self._engine = engine
         self.request = req
         self.request_id = req.request_id
@@ -106,8 +110,7 @@ class Generation:
         self._aborted = True
         engine = self._engine
         self._end("abort", engine.now())
-        engine._aborts += 1
-        engine._wake.set()
+        engine.note_abort()
 
     def _push(self, n: int) -> None:
         self._bursts.append(n)

@@ -17,12 +17,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admin import AdminAuth, create_admin_app
-from gateway.app import create_app
-from gateway.audit import AuditLog, AuditRecord
-from gateway.runtime import Runtime
-from gateway.scrape import Acceptance, PoolLoadView
-from gateway.settings import Settings
+from gateway.admin.app import AdminAuth, create_admin_app
+from gateway.config.settings import Settings
+from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.overrides.audit import AuditLog, AuditRecord
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, closed_port_url, rules_for
 

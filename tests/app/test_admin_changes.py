@@ -13,10 +13,10 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin import create_admin_app
-from gateway.app import create_app
-from gateway.runtime import Runtime
-from gateway.settings import Settings
+from gateway.admin.app import create_admin_app
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
 from gateway.store.base import StoreUnavailable
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.app.test_admin import assert_envelope

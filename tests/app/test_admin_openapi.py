@@ -15,12 +15,12 @@ import yaml
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from gateway import admin_client as ac
-from gateway.admin import create_admin_app
-from gateway.admin_openapi import openapi
-from gateway.app import create_app
-from gateway.runtime import Runtime
-from gateway.settings import Settings
+from gateway.admin import client as ac
+from gateway.admin.app import create_admin_app
+from gateway.admin.openapi import openapi
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
 from tests.conftest import closed_port_url, rules_for
 
 TOKEN = "admin-openapi-token"
@@ -149,8 +149,8 @@ def request_schema(doc: dict[str, Any], call: ac.Call) -> dict[str, Any]:
 
 def test_every_route_is_described_and_every_description_is_a_route(admin_app: Starlette, doc: dict[str, Any]) -> None:
     routes, described = app_operations(admin_app), doc_operations(doc)
-    assert routes - described == set(), "admin routes missing from gateway/admin_openapi.py"
-    assert described - routes == set(), "described in gateway/admin_openapi.py but not an admin route"
+    assert routes - described == set(), "admin routes missing from gateway/admin/openapi.py"
+    assert described - routes == set(), "described in gateway/admin/openapi.py but not an admin route"
 
 
 def test_the_document_structure(doc: dict[str, Any]) -> None:

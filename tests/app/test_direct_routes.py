@@ -12,8 +12,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.app import GatewayApp, Handler, exception_handlers
 from gateway.errors import BadRequest
+from gateway.proxy.app import GatewayApp, Handler, exception_handlers
 
 
 class _StartsThenFails(Response):
@@ -169,8 +169,8 @@ async def test_an_app_built_differently_goes_through_starlette() -> None:
 def test_the_gateway_as_built_takes_the_direct_way() -> None:
     from pathlib import Path
 
-    from gateway.app import create_app
-    from gateway.settings import Settings
+    from gateway.config.settings import Settings
+    from gateway.proxy.app import create_app
 
     app = create_app(Settings(rules=Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"))
     assert isinstance(app, GatewayApp)

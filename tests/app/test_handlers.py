@@ -9,8 +9,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.settings import Settings
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
 from tests.conftest import MODEL, closed_port_url, rules_for
 
 
@@ -94,7 +94,7 @@ async def test_one_json_log_line_per_request(client: httpx.AsyncClient) -> None:
 
     import orjson
 
-    from gateway.logs import AccessLog
+    from gateway.observability.logs import AccessLog
 
     buf = io.BytesIO()
     app = client._transport.app  # type: ignore[attr-defined]

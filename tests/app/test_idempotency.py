@@ -13,13 +13,13 @@ import orjson
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.idempotency import KeyClaim, Recorder, StoredResponse, parse_key, store_key, tenant_scope
-from gateway.logs import AccessLog
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestRecord
-from gateway.rules.schema import Idempotency
-from gateway.settings import Settings
+from gateway.config.schema import Idempotency
+from gateway.config.settings import Settings
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.proxy.app import create_app
+from gateway.proxy.idempotency import KeyClaim, Recorder, StoredResponse, parse_key, store_key, tenant_scope
+from gateway.proxy.record import RequestRecord
 from gateway.store.base import ClaimResult, Completed, Running, StoreUnavailable
 from gateway.store.memory import MemoryStore
 from gateway.testing.fake_upstream import FakeUpstreamServer

@@ -21,9 +21,9 @@ import pytest
 import typer
 import yaml
 
-from gateway.cli import app
-from gateway.rules.loader import load_rules_file
-from gateway.settings import ENV_PREFIX, Settings
+from gateway.cli.main import app
+from gateway.config.loader import load_rules_file
+from gateway.config.settings import ENV_PREFIX, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

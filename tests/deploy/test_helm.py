@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.rules.loader import load_rules_text
+from gateway.config.loader import load_rules_text
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specgate"
@@ -309,9 +309,9 @@ def test_gateway_has_a_writable_tmp(docs: list[Doc]) -> None:
 
 
 def _gateway_drain_seconds() -> int:
-    # The gateway's drain on SIGTERM: uvicorn's timeout_graceful_shutdown in gateway/cli.py.
+    # The gateway's drain on SIGTERM: uvicorn's timeout_graceful_shutdown in gateway/cli/main.py.
     m = re.search(r'"timeout_graceful_shutdown":\s*(\d+)', (REPO / "gateway" / "cli.py").read_text())
-    assert m, "timeout_graceful_shutdown not found in gateway/cli.py"
+    assert m, "timeout_graceful_shutdown not found in gateway/cli/main.py"
     return int(m.group(1))
 
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.serve import AdminSetupError, build_listeners, is_loopback
-from gateway.settings import Settings, SettingsError
+from gateway.cli.serve import AdminSetupError, build_listeners, is_loopback
+from gateway.config.settings import Settings, SettingsError
+from gateway.proxy.app import create_app
 from tests.conftest import MODEL, closed_port_url, rules_for
 
 pytestmark = pytest.mark.integration

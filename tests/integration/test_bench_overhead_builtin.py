@@ -10,7 +10,7 @@ import sys
 
 from gateway.bench.closed_loop import drive
 from gateway.bench.overhead import TARGETS, bench_overhead, render
-from gateway.demo import free_port, wait_for_port
+from gateway.sim.launch import free_port, wait_for_port
 
 
 def test_the_builtin_closed_loop_counts_requests_and_errors() -> None:

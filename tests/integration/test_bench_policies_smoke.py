@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from gateway.bench.mix import load_mix
-from gateway.bench.policies import Setup, bench_policies
+from gateway.bench.points import Setup
+from gateway.bench.policies import bench_policies
 
 ROOT = Path(__file__).resolve().parents[2]
 

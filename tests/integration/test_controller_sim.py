@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admin import create_admin_app
+from gateway.admin.app import create_admin_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths

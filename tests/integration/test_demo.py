@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.demo import free_port, wait_for_port
+from gateway.sim.launch import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin import create_admin_app
-from gateway.runtime import Runtime
+from gateway.admin.app import create_admin_app
+from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, ServerThread, rules_for
 

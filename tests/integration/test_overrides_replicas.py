@@ -21,7 +21,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.store.overrides import RedisOverrideStore
+from gateway.overrides.store import RedisOverrideStore
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, RedisServer, rules_for
 

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from gateway.cli import app
+from gateway.cli.main import app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths

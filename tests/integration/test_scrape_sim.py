@@ -14,13 +14,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
-from gateway.metrics import GatewayMetrics
-from gateway.pools import PoolState
-from gateway.rules.schema import Pool, Scrape
-from gateway.scrape import PoolLoadView
-from gateway.scraper import Scraper
-from gateway.settings import Settings
+from gateway.config.schema import Pool, Scrape
+from gateway.config.settings import Settings
+from gateway.fleet.pools import PoolState
+from gateway.fleet.scraper import Scraper
+from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.observability.metrics import GatewayMetrics
+from gateway.proxy.app import create_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths

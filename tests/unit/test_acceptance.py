@@ -8,17 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.acceptance import (
-    AcceptanceWindow,
-    SpecSample,
-    StreamTap,
-    sample_from_body,
-    sample_from_metrics,
-    temperature_band,
-    with_include_usage,
-)
-from gateway.metrics import GatewayMetrics
-from gateway.openai import SSESplitter
+from gateway.observability.acceptance import AcceptanceWindow, SpecSample, sample_from_metrics, temperature_band
+from gateway.observability.metrics import GatewayMetrics
+from gateway.proxy.stream_tap import StreamTap, sample_from_body, with_include_usage
+from gateway.proxy.wire import SSESplitter
 
 SD = {
     "mean_acceptance_length": 3.4,

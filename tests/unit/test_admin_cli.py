@@ -23,14 +23,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from typer.testing import CliRunner
 
-from gateway import admin_client as ac
-from gateway.admin import create_admin_app
-from gateway.admin_openapi import openapi
-from gateway.app import create_app
-from gateway.audit import AuditRecord
-from gateway.cli import app
-from gateway.runtime import Runtime
-from gateway.settings import Settings
+from gateway.admin import client as ac
+from gateway.admin.app import create_admin_app
+from gateway.admin.openapi import openapi
+from gateway.cli.main import app
+from gateway.config.settings import Settings
+from gateway.overrides.audit import AuditRecord
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
 from tests.conftest import ServerThread, closed_port_url, rules_for
 
 TOKEN = "admin-cli-token"

@@ -23,17 +23,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from gateway.attempts import AttemptPolicy
-from gateway.decide import Plan
+from gateway.config.schema import Defaults, OutlierDetection, Pool
+from gateway.config.schema import RetryBudget as RetryBudgetSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
-from gateway.forward import ProxyJob, ProxyResponse
-from gateway.logs import AccessLog
-from gateway.metrics import GatewayMetrics
-from gateway.pools import EndpointState, PoolState
-from gateway.record import RequestRecord
-from gateway.rules.schema import Defaults, OutlierDetection, Pool
-from gateway.rules.schema import RetryBudget as RetryBudgetSpec
-from gateway.upstream import UpstreamResponse
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.fleet.upstream import UpstreamResponse
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.record import RequestRecord
+from gateway.routing.attempts import AttemptPolicy
+from gateway.routing.plan import Plan
 
 # What one attempt does. Retryable before the commit point, then terminal (the client gets that attempt).
 RETRYABLE = [

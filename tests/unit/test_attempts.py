@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from gateway.attempts import (
+from gateway.config.schema import Defaults, OutlierDetection, Pool, Route
+from gateway.config.schema import RetryBudget as RetryBudgetSpec
+from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
+from gateway.fleet.pools import PoolState
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.attempts import (
     AttemptFailure,
     AttemptPolicy,
     PoolStatusError,
@@ -20,12 +25,7 @@ from gateway.attempts import (
     status_result,
     would_strand,
 )
-from gateway.decide import PoolView, plan_route
-from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
-from gateway.metrics import GatewayMetrics
-from gateway.pools import PoolState
-from gateway.rules.schema import Defaults, OutlierDetection, Pool, Route
-from gateway.rules.schema import RetryBudget as RetryBudgetSpec
+from gateway.routing.plan import PoolView, plan_route
 
 # --- retry budget -------------------------------------------------------------------------------------------
 
@@ -333,10 +333,10 @@ def test_empty_plan_should_not_be_retried_when_nothing_can_change() -> None:
 
 
 async def test_a_health_round_ends_ejections_that_would_leave_a_model_without_endpoints() -> None:
-    from gateway.health import HealthChecker
-    from gateway.metrics import GatewayMetrics
-    from gateway.pools import PoolState
-    from gateway.rules.schema import Pool
+    from gateway.config.schema import Pool
+    from gateway.fleet.health import HealthChecker
+    from gateway.fleet.pools import PoolState
+    from gateway.observability.metrics import GatewayMetrics
 
     spec = Pool.model_validate(
         {"name": "p", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://a:1"}, {"url": "http://b:1"}]}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.bench.classify import ClassifyBenchResult, Timing, bench_classify, make_requests, run
-from gateway.rules.loader import load_rules_text
+from gateway.config.loader import load_rules_text
 
 RULES_YAML = r"""
 version: 1

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gateway.bench.controller import Change, Phase, Result, Run, parse_phases, render, scaled_rules
-from gateway.rules.schema import RoutingRules
+from gateway.config.schema import RoutingRules
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,9 +25,10 @@ from gateway.bench.load import (
 )
 from gateway.bench.mix import load_mix, parse_mix, plan_request
 from gateway.bench.plots import target_check
-from gateway.bench.policies import POLICIES, Point, Setup, bench_rules, estimate_capacity, policy_rules
-from gateway.classify import Classifier
-from gateway.rules.schema import RoutingRules
+from gateway.bench.points import POLICIES, Point, Setup
+from gateway.bench.policies import bench_rules, estimate_capacity, policy_rules
+from gateway.config.schema import RoutingRules
+from gateway.routing.classify import Classifier
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.classify import Classifier, Endpoint
+from gateway.config.loader import load_rules_file, load_rules_text
+from gateway.config.schema import RoutingRules
 from gateway.errors import InvalidParameter
-from gateway.rules.loader import load_rules_file, load_rules_text
-from gateway.rules.schema import RoutingRules
+from gateway.routing.classify import Classifier, Endpoint
 
 # ---------------------------------------------------------------------------------------------- fixture config
 

@@ -1,4 +1,4 @@
-"""gateway.controller: the per-class route-state controller, driven with synthetic measurement sequences."""
+"""gateway.routing.controller: the per-class route-state controller, driven with synthetic measurement sequences."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.controller import (
+from gateway.config.schema import ControllerConfig, TrafficClass
+from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing.controller import (
     LOAD_REASONS,
     REASONS,
     SAFETY_REASONS,
@@ -22,8 +24,6 @@ from gateway.controller import (
     Transition,
     expected_delay,
 )
-from gateway.rules.schema import ControllerConfig, TrafficClass
-from gateway.scrape import PoolLoadView
 
 BASE: dict[str, Any] = {
     "window_s": 10.0,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from gateway.decide import PoolView, plan_route
-from gateway.pools import PoolState
-from gateway.rules.schema import Pool, Route
+from gateway.config.schema import Pool, Route
+from gateway.fleet.pools import PoolState
+from gateway.routing.plan import PoolView, plan_route
 
 
 def view(name: str, *, routable: int = 1, in_flight: int = 0, models: tuple[str, ...] = ("m",)) -> PoolView:

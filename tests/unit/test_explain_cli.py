@@ -11,11 +11,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gateway.admin import create_admin_app
-from gateway.app import create_app
-from gateway.cli import app
-from gateway.runtime import Runtime
-from gateway.settings import Settings
+from gateway.admin.app import create_admin_app
+from gateway.cli.main import app
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
 from tests.conftest import MODEL, ServerThread, closed_port_url, rules_for
 
 TOKEN = "admin-cli-token"

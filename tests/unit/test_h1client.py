@@ -1,4 +1,4 @@
-"""The upstream HTTP/1.1 client (gateway.h1client) against raw asyncio servers that write exact bytes."""
+"""The upstream HTTP/1.1 client (gateway.fleet.h1client) against raw asyncio servers that write exact bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.h1client import ConnectFailed, ConnectionBroken, HostPool
+from gateway.fleet.h1client import ConnectFailed, ConnectionBroken, HostPool
 
 Handler = Callable[["Seen", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

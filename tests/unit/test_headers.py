@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.headers import HOP_BY_HOP, client_response_headers, request_id, upstream_request_headers
+from gateway.proxy.headers import HOP_BY_HOP, client_response_headers, request_id, upstream_request_headers
 
 
 def test_hop_by_hop_and_connection_named_headers_are_dropped() -> None:

@@ -18,9 +18,9 @@ import yaml
 from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app, create_app_from_env
-from gateway.metrics import GatewayMetrics, multiprocess_dir
-from gateway.settings import Settings
+from gateway.config.settings import Settings
+from gateway.observability.metrics import GatewayMetrics, multiprocess_dir
+from gateway.proxy.app import create_app, create_app_from_env
 from tests.conftest import rules_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -150,7 +150,7 @@ async def test_the_worker_factory_merges_and_withdraws_its_gauges_at_shutdown(
     async with app.router.lifespan_context(app):
         metrics.in_flight.labels("spec").inc()
         # livesum: in-flight requests; livemin: specgate_store_up (gateway/store/health.py); livemax:
-        # specgate_config_info (gateway/reload.py)
+        # specgate_config_info (gateway/runtime/reload.py)
         assert _gauge_files(shared, os.getpid()) == ["gauge_livemax", "gauge_livemin", "gauge_livesum"]
     assert _gauge_files(shared, os.getpid()) == []
 

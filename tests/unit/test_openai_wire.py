@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.openai import SSESplitter, is_done_event, is_error_event, normalise_error, sse_error
+from gateway.proxy.wire import SSESplitter, is_done_event, is_error_event, normalise_error, sse_error
 
 
 def test_splitter_keeps_events_whole_and_unmerged() -> None:

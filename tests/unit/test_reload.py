@@ -1,4 +1,4 @@
-"""Hot reload (gateway.reload): the watcher's change detection, Runtime.reload's results, the admin routes."""
+"""Hot reload (gateway.runtime.reload): the watcher's change detection, Runtime.reload's results, the admin routes."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin import create_admin_app
-from gateway.app import create_app
-from gateway.reload import ConfigWatcher, config_digest, file_signature
-from gateway.runtime import LiveConfig, Runtime
-from gateway.settings import Settings
+from gateway.admin.app import create_admin_app
+from gateway.config.settings import Settings
+from gateway.proxy.app import create_app
+from gateway.runtime.container import Runtime
+from gateway.runtime.live import LiveConfig, config_digest
+from gateway.runtime.reload import ConfigWatcher, file_signature
 from tests.conftest import rules_for
 
 TOKEN = "reload-test-token"

@@ -15,14 +15,14 @@ import httpx
 import pytest
 import yaml
 
-from gateway import upstream as upstream_mod
-from gateway.app import create_app
-from gateway.openai import SSESplitter
-from gateway.pools import EndpointState, PoolState
-from gateway.rules.loader import load_rules_text
-from gateway.runtime import LiveConfig
-from gateway.settings import Settings
-from gateway.upstream import UpstreamResponse
+from gateway.config.loader import load_rules_text
+from gateway.config.settings import Settings
+from gateway.fleet import upstream as upstream_mod
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.fleet.upstream import UpstreamResponse
+from gateway.proxy.app import create_app
+from gateway.proxy.wire import SSESplitter
+from gateway.runtime.live import LiveConfig
 from tests.conftest import MODEL, rules_for
 
 CODE_REQ: dict[str, Any] = {
@@ -181,8 +181,8 @@ async def test_unexpected_exception_after_commit_still_ends_with_error_event_and
 
 
 def test_saturation_counts_only_routable_endpoints() -> None:
-    from gateway.decide import plan_route
-    from gateway.rules.schema import Route
+    from gateway.config.schema import Route
+    from gateway.routing.plan import plan_route
 
     rules = rules_for(["http://127.0.0.1:9", "http://127.0.0.1:11"], ["http://127.0.0.1:10"])
     text = yaml.safe_dump(rules)
@@ -211,7 +211,7 @@ async def test_workers_share_one_view_of_metrics(tmp_path: Path, monkeypatch: py
     """
     from prometheus_client import values
 
-    from gateway.app import create_app_from_env
+    from gateway.proxy.app import create_app_from_env
 
     shared = tmp_path / "prometheus"
     shared.mkdir()
@@ -254,7 +254,7 @@ class _RecordingStream:
 def test_access_log_writes_are_atomic_on_a_pipe() -> None:
     import select
 
-    from gateway.logs import AccessLog
+    from gateway.observability.logs import AccessLog
 
     stream = _RecordingStream()
     log = AccessLog(stream, enabled=True)  # type: ignore[arg-type]
@@ -271,7 +271,7 @@ def test_access_log_writes_are_atomic_on_a_pipe() -> None:
 
 
 def test_demo_stand_ins_simulate_llm_pools_and_serve_embeddings() -> None:
-    from gateway.demo import plan_stand_ins
+    from gateway.sim.launch import plan_stand_ins
 
     rules = yaml.safe_load(
         (Path(__file__).parents[2] / "routing_rules/examples/ngram-summarization-rag.yaml").read_text()

@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.metrics import GatewayMetrics
-from gateway.routing_state import RoutingState
-from gateway.rules.schema import RoutingRules
-from gateway.scrape import PoolLoadView
+from gateway.config.schema import RoutingRules
+from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.route_state import RoutingState
 
 
 def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRules:

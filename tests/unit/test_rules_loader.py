@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.rules.loader import (
+from gateway.config.loader import (
     ConfigIssue,
     RulesError,
     check_rules,
@@ -15,7 +15,7 @@ from gateway.rules.loader import (
     load_rules_text,
     summary,
 )
-from gateway.rules.schema import Conditions, RoutingRules, TrafficClass
+from gateway.config.schema import Conditions, RoutingRules, TrafficClass
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "rules"
@@ -225,7 +225,7 @@ def test_anchors_and_merge_keys() -> None:
 
 
 def _class_for(rules: RoutingRules, **features: object) -> str:
-    """A test-local matcher over the schema (classification proper lives in gateway.classify)."""
+    """A test-local matcher over the schema (classification proper lives in gateway.routing.classify)."""
     f: dict[str, object] = {
         "temperature": rules.defaults.temperature,
         "top_p": 1.0,

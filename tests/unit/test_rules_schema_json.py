@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.rules.jsonschema import generate_schema, render_schema
+from gateway.config.jsonschema import generate_schema, render_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = ROOT / "routing_rules" / "schema.json"
-REGENERATE = "python -m gateway.rules.jsonschema > routing_rules/schema.json"
+REGENERATE = "python -m gateway.config.jsonschema > routing_rules/schema.json"
 
 
 def test_schema_json_is_in_sync() -> None:
     assert SCHEMA_FILE.is_file(), f"routing_rules/schema.json is missing; create it with: {REGENERATE}"
     on_disk = SCHEMA_FILE.read_text(encoding="utf-8")
     assert on_disk == render_schema(), (
-        f"routing_rules/schema.json is out of date with gateway/rules/schema.py; regenerate it with: {REGENERATE}"
+        f"routing_rules/schema.json is out of date with gateway/config/schema.py; regenerate it with: {REGENERATE}"
     )
 
 
@@ -48,7 +48,7 @@ def test_render_is_stable_json_with_a_trailing_newline() -> None:
 
 def test_module_main_prints_the_schema() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.rules.jsonschema"],
+        [sys.executable, "-m", "gateway.config.jsonschema"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""gateway.scrape: parsing vLLM's exposition, endpoint windows (resets, staleness), pool aggregation; the schema."""
+"""gateway.fleet.vllm_metrics: parsing vLLM's exposition, endpoint windows (resets, staleness), pool aggregation; the
+schema."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 import pydantic
 import pytest
 
-from gateway.metrics import GatewayMetrics
-from gateway.pools import PoolState
-from gateway.rules.schema import MetricNames, Pool, Scrape
-from gateway.scrape import (
+from gateway.config.schema import MetricNames, Pool, Scrape
+from gateway.fleet.pools import PoolState
+from gateway.fleet.scraper import Scraper
+from gateway.fleet.vllm_metrics import (
     EndpointLoad,
     MetricsFormatError,
     PoolLoad,
@@ -19,7 +20,7 @@ from gateway.scrape import (
     parse_vllm_metrics,
     parse_vllm_metrics_bytes,
 )
-from gateway.scraper import Scraper
+from gateway.observability.metrics import GatewayMetrics
 from gateway.sim.faults import MALFORMED_METRICS
 from gateway.sim.metrics import VllmMetrics
 from tests.conftest import closed_port_url

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.settings import Settings, SettingsError
+from gateway.config.settings import Settings, SettingsError
 from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
 from gateway.store.memory import MemoryStore

@@ -1,0 +1,290 @@
+"""The admin API: a separate listener (``--admin-host`` / ``--admin-port``, loopback :8081 by default) that shows
+what the gateway knows and why it routes as it does. ``specgate explain`` is its client.
+
+Routes (every answer JSON; every error the OpenAI envelope ``{"error": {message, type, param, code}}``)::
+
+    GET  /admin/state                  pools (endpoints, health, weights, in-flight, scraped load), classes (route,
+                                       controller snapshot), the routing YAML in force, the audit log's size
+    POST /admin/explain[?path=P]       the body is the request exactly as a client would POST it to P (default
+                                       /v1/chat/completions; also /v1/completions, /v1/embeddings); classification
+                                       headers (``X-Task-Type``) are read from this request's own headers. Answers
+                                       ``gateway.admin.explain.explain``; sends nothing upstream; bad bodies get the
+                                       proxy's own errors (400 invalid_json, 404 model_not_found, ...)
+    GET  /admin/audit[?limit=N&since=T] the newest N (default 100, at most 1000) audit records after epoch T
+    GET  /admin/config                 the routing YAML in force: source, version, hash, loaded_at, yaml (its text)
+    POST /admin/reload                 re-read the routing YAML (``gateway.runtime.reload``): 200 {"result": "ok" |
+                                       "unchanged", "version", "hash", "dropped_overrides", ...}; 422 invalid, the
+                                       envelope with error.errors: [{path, line, message}, ...] (nothing changed)
+
+Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a flag, so it does not show in ``ps``).
+
+- token set: every request, on any path, needs ``Authorization: Bearer <token>`` (compared in constant time);
+  anything else is 401 with ``WWW-Authenticate: Bearer``. A client API key is not the admin token, so it never
+  works here; the token may not equal a client key (refused at start-up).
+- no token: the read-only routes (explain only reads) answer anyone who can reach the listener, which is
+  loopback-only by default (``gateway.cli.serve`` refuses a non-loopback address without a token); routes that change
+  something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.admin.changes import actor_of, change_routes, read_routes
+from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dict
+from gateway.admin.openapi import openapi
+from gateway.admin.protocol import TOKEN_ENV
+from gateway.errors import GatewayError, InvalidParameter, Unauthorized
+from gateway.proxy.app import _gateway_error, _http_error, _internal_error, _json, _parse_object, _read_body
+from gateway.proxy.wire import envelope
+from gateway.runtime.container import Runtime
+
+MAX_AUDIT_LIMIT = 1000
+
+
+class AdminAuth:
+    """ASGI middleware in front of every admin route: the token policy of the module docstring."""
+
+    def __init__(self, app: ASGIApp, token: str | None, changes: Sequence[BaseRoute] = ()) -> None:
+        self.app = app
+        self._digest = None if token is None else hashlib.sha256(token.encode()).digest()
+        self._changes = tuple(changes)
+
+    def _check(self, authorization: str | None) -> GatewayError | None:
+        if self._digest is None:
+            return None
+        if not authorization or authorization[:7].lower() != "bearer ":
+            message = f"missing admin token: send 'Authorization: Bearer <token>' with the gateway's {TOKEN_ENV}"
+            return Unauthorized(message, code="invalid_admin_token")
+        given = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        if not hmac.compare_digest(given, self._digest):
+            return Unauthorized("invalid admin token", code="invalid_admin_token")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response: Response | None = None
+        exc = self._check(Headers(scope=scope).get("authorization"))
+        if exc is not None:
+            exc.headers["www-authenticate"] = 'Bearer realm="specgate-admin"'
+            response = _json(exc.envelope(), exc.status, exc.headers)
+        elif self._digest is None and any(r.matches(scope)[0] == Match.FULL for r in self._changes):
+            body = envelope(
+                f"the admin API refuses changes while no admin token is set: set {TOKEN_ENV} and restart",
+                "permission_error",
+                code="admin_token_not_set",
+            )
+            response = _json(body, 403)
+        if response is not None:
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    return rt
+
+
+def state_dict(rt: Runtime) -> dict[str, Any]:
+    """Everything /admin/state shows: numbers the gateway does not know are null, never 0."""
+    live = rt.live
+    views = live.views()
+    loads = rt.scraper.views()
+    snapshots = rt.routing.snapshot()
+    pools: dict[str, Any] = {}
+    for name, pool in live.pools.items():
+        view = views[name]
+        entry: dict[str, Any] = {
+            "kind": pool.spec.kind,
+            "models": sorted(pool.models),
+            "routable_endpoints": view.routable_endpoints,
+            "in_flight": pool.in_flight,
+            "endpoints": [
+                {
+                    "id": e.id,
+                    "url": e.url,
+                    "healthy": e.healthy,
+                    "routable": e.routable,
+                    "weight": e.weight,
+                    "configured_weight": e.configured_weight,
+                    "effective_weight": e.weight,
+                    "in_flight": e.in_flight,
+                    "consecutive_failures": e.consecutive_failures,
+                    "last_error": e.last_error,
+                }
+                for e in pool.endpoints
+            ],
+        }
+        entry.update(load_numbers(loads.get(name)))
+        pools[name] = entry
+    overrides = [o.as_dict() for o in rt.overrides.active()]
+    for name, entry in pools.items():
+        entry["overrides"] = [o for o in overrides if o["pool"] == name]
+    forced = rt.routing.forced()
+    classes = [
+        {
+            "name": c.name,
+            "description": c.description,
+            "route": route_dict(c.route),
+            "controller": snapshots.get(c.name),
+            "forced_route": forced.get(c.name),
+            "overrides": [o for o in overrides if o["class"] == c.name],
+        }
+        for c in live.rules.classes
+    ]
+    audit = rt.audit
+    return {
+        "config": {
+            "source": live.source,
+            "digest": live.digest,
+            "version": live.rules.version,
+            "hash": live.digest,
+            "loaded_at": live.loaded_at,
+        },
+        "overrides": overrides,
+        "store": {"idempotency": rt.store_health.status(), "overrides": rt.overrides.status()},
+        "pools": pools,
+        "embeddings_pool": live.rules.embeddings_pool,
+        "classes": classes,
+        "audit": {"size": len(audit), "capacity": audit.capacity, "total": audit.total},
+        "started_at": rt.started_at,
+    }
+
+
+async def get_state(request: Request) -> Response:
+    return _json(state_dict(_runtime(request)))
+
+
+async def get_openapi(request: Request) -> Response:
+    """The OpenAPI 3.1 description of this API (``gateway.admin.openapi``)."""
+    return _json(openapi())
+
+
+async def post_explain(request: Request) -> Response:
+    rt = _runtime(request)
+    path = request.query_params.get("path", DEFAULT_PATH)
+    body = _parse_object(await _read_body(request, rt.settings.max_body_bytes))
+    return _json(explain(rt, path, body, request.headers))
+
+
+def _query_number(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise InvalidParameter(f"'{name}' must be a number, got {raw!r}", param=name)
+    return value
+
+
+async def get_audit(request: Request) -> Response:
+    """The audit log in the store: every replica's admin changes, expiries and controller transitions."""
+    overrides = _runtime(request).overrides
+    limit = _query_number(request, "limit")
+    if limit is not None and (limit != int(limit) or not 1 <= limit <= MAX_AUDIT_LIMIT):
+        raise InvalidParameter(f"'limit' must be an integer in 1..{MAX_AUDIT_LIMIT}", param="limit")
+    since = _query_number(request, "since")
+    records, size, total = await overrides.audit(100 if limit is None else int(limit), since)
+    return _json(
+        {
+            "records": [r.as_dict() for r in records],
+            "size": size,
+            "capacity": overrides.store.audit_capacity,
+            "total": total,
+        }
+    )
+
+
+async def post_reload(request: Request) -> Response:
+    """Re-read the routing YAML now (``gateway.runtime.reload``): 200 ok | unchanged, 422 listing every error, 500."""
+    rt = _runtime(request)
+    r = await rt.reload("admin", actor_of(request))
+    body = r.as_dict()
+    if r.result in ("ok", "unchanged"):
+        return _json(body)
+    if r.result == "invalid":
+        err = envelope(
+            r.error_message(),
+            "invalid_request_error",
+            param=(r.issues[0].path or None) if r.issues else None,
+            code="invalid_config",
+        )
+        err["error"]["errors"] = body["errors"]  # every path-named error: [{path, line, message}, ...]
+        return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 422)
+    err = envelope(r.message, "internal_error", code="config_reload_failed")
+    return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 500)
+
+
+async def get_config(request: Request) -> Response:
+    """The routing YAML in force: where it came from, its version and hash, when it was loaded, its text."""
+    live = _runtime(request).live
+    return _json(
+        {
+            "source": live.source,
+            "version": live.rules.version,
+            "hash": live.digest,
+            "loaded_at": live.loaded_at,
+            "yaml": live.text,
+        }
+    )
+
+
+def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
+    """The admin app over a runtime that the main app's lifespan starts and stops (this app has no lifespan).
+
+    Raises ``ValueError`` when ``token`` is empty or is also a client API key."""
+    if token is not None:
+        if not token.strip():
+            raise ValueError(f"{TOKEN_ENV} is empty")
+        if runtime.auth_enabled:
+            try:
+                runtime.authenticate(f"Bearer {token}")
+            except Unauthorized:
+                pass
+            else:
+                raise ValueError(f"{TOKEN_ENV} must differ from every client API key")
+    routes: list[BaseRoute] = [
+        Route("/admin/state", get_state, methods=["GET"]),
+        Route("/admin/openapi.json", get_openapi, methods=["GET"]),
+        Route("/admin/explain", post_explain, methods=["POST"]),
+        Route("/admin/audit", get_audit, methods=["GET"]),
+        Route("/admin/config", get_config, methods=["GET"]),
+        *read_routes(),
+    ]
+    changes: list[BaseRoute] = [  # routes that change routing; refused without a token
+        Route("/admin/reload", post_reload, methods=["POST"]),
+        *change_routes(),  # on-call overrides (gateway.admin.changes)
+    ]
+    app = Starlette(
+        routes=routes + changes,
+        middleware=[Middleware(AdminAuth, token=token, changes=changes)],
+        exception_handlers={
+            GatewayError: _gateway_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+    )
+    app.state.runtime = runtime
+    # The audit's actor without an X-Specgate-Actor header. Nothing derived from the token: the audit is readable
+    # by more people than the token, and a hash of a weak token can be guessed offline.
+    app.state.admin_actor = "admin"
+    return app

@@ -1,0 +1,195 @@
+"""``explain``: what the gateway would do with one request, and why, without sending anything anywhere.
+
+The decision is the proxy's own (``gateway.routing.decision.decide`` with ``count=False``: the request does not count
+toward its class controller's samples), so explain cannot drift from what the handler does. The answer is one
+JSON-able dict::
+
+    request         path, endpoint, model
+    features        every routing feature (max_tokens null when the client set no limit); null for embeddings
+    task_type       and task_source (header | rule | default)
+    traffic_class   name, description, route (preferred / saturated / fallback / saturation), controlled
+    controller      the class controller's snapshot (gateway.routing.route_state), or null for a static route
+    choice          the controller's answer for this request (state, pick, share), or null
+    live            per candidate pool of the class: kind, endpoints, in-flight, scraped load (null = unknown)
+    plan            reason, steps (the attempts in order, within max_attempts), skipped pools, max_attempts
+    config          source and digest of the routing YAML in force
+
+While a class is split, ``choice.pick`` and the plan show one draw; ``choice.share`` is the chance of the other.
+Bad input raises the same ``GatewayError`` the proxy would answer with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict
+from types import MappingProxyType
+from typing import Any
+
+from gateway.admin.protocol import EXPLAIN_DEFAULT_PATH
+from gateway.config.schema import Route, TrafficClass
+from gateway.errors import InvalidParameter
+from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing.classify import TASK_HEADER, Endpoint
+from gateway.routing.decision import Decision, decide
+from gateway.routing.plan import Plan, is_saturated
+from gateway.runtime.container import Runtime
+from gateway.runtime.live import LiveConfig
+
+# The client paths explain covers, and the classifier's endpoint for each (None: embeddings, not classified).
+ENDPOINTS: Mapping[str, Endpoint | None] = MappingProxyType(
+    {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": None}
+)
+DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
+
+
+def endpoint_for(path: str) -> Endpoint | None:
+    if path not in ENDPOINTS:
+        raise InvalidParameter(f"explain covers the paths {', '.join(ENDPOINTS)}; got {path!r}", param="path")
+    return ENDPOINTS[path]
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def load_numbers(view: PoolLoadView | None) -> dict[str, Any]:
+    """A pool's scraped load for JSON: null for every unknown number (never 0); ``scraped`` false before any."""
+    acc = None if view is None else view.acceptance
+    return {
+        "scraped": view is not None,
+        "stale": True if view is None else view.stale,
+        "fresh_endpoints": None if view is None else view.fresh_endpoints,
+        "running": None if view is None else _finite(view.running),
+        "waiting": None if view is None else _finite(view.waiting),
+        "kv_usage": None if view is None else _finite(view.kv_usage),
+        "tpot_mean_s": None if view is None else _finite(view.tpot_mean_s),
+        "generation_tokens_per_s": None if view is None else _finite(view.generation_tokens_per_s),
+        "acceptance_rate": None if acc is None else _finite(acc.rate),
+        "mean_acceptance_length": None if acc is None else _finite(acc.mean_length),
+        "acceptance_drafts": None if acc is None else acc.drafts,
+    }
+
+
+def route_dict(route: Route) -> dict[str, Any]:
+    return {
+        "preferred": route.preferred,
+        "saturated": route.saturated,
+        "fallback": list(route.fallback),
+        "saturation": {"max_inflight_per_endpoint": route.saturation.max_inflight_per_endpoint},
+    }
+
+
+def candidate_pools(klass: TrafficClass | None, plan: Plan, live: LiveConfig) -> list[str]:
+    """The class's pools in route order (preferred, saturated, fallbacks), then any other pool in the plan
+    (without a class: the embeddings pool)."""
+    names: list[str] = []
+    if klass is None and live.rules.embeddings_pool is not None:
+        names.append(live.rules.embeddings_pool)
+    if klass is not None:
+        r = klass.route
+        names += [r.preferred] + ([r.saturated] if r.saturated is not None else []) + list(r.fallback)
+    names += list(plan.pools)
+    return list(dict.fromkeys(names))
+
+
+def _live(rt: Runtime, live: LiveConfig, names: list[str], klass: TrafficClass | None) -> dict[str, Any]:
+    views = live.views()
+    loads = rt.scraper.views()
+    out: dict[str, Any] = {}
+    for name in names:
+        pool, view = live.pools.get(name), views.get(name)
+        if pool is None or view is None:
+            out[name] = {"kind": None, "known": False}
+            continue
+        entry: dict[str, Any] = {
+            "kind": view.kind,
+            "known": True,
+            "endpoints": len(pool.endpoints),
+            "routable_endpoints": view.routable_endpoints,
+            "in_flight": view.in_flight,
+        }
+        if klass is not None and name == klass.route.preferred:
+            entry["saturated"] = is_saturated(klass.route, view)
+        entry.update(load_numbers(loads.get(name)))
+        out[name] = entry
+    return out
+
+
+def _step_reason(i: int, name: str, plan: Plan, klass: TrafficClass | None, round_: int) -> str:
+    if round_ > 0:
+        return "retry: another endpoint"
+    if i == 0:
+        return plan.reason
+    if klass is not None and name in (klass.route.preferred, klass.route.saturated):
+        return "alternate"
+    return "fallback"
+
+
+def plan_steps(plan: Plan, live: LiveConfig, klass: TrafficClass | None, max_attempts: int) -> list[dict[str, Any]]:
+    """The attempts in the order the proxy makes them (``attempts.candidates``): each pool of the plan once, then
+    again with endpoints not yet tried, up to ``max_attempts``. Each attempt only happens if the one before failed
+    before the first byte reached the client."""
+    views = live.views()
+    left = {name: views[name].routable_endpoints if name in views else 0 for name in plan.pools}
+    steps: list[dict[str, Any]] = []
+    round_ = 0
+    while len(steps) < max_attempts:
+        progressed = False
+        for i, name in enumerate(plan.pools):
+            if len(steps) >= max_attempts or left[name] <= 0:
+                continue
+            left[name] -= 1
+            progressed = True
+            kind = views[name].kind if name in views else None
+            reason = _step_reason(i, name, plan, klass, round_)
+            steps.append({"attempt": len(steps) + 1, "pool": name, "kind": kind, "reason": reason})
+        if not progressed:
+            break
+        round_ += 1
+    return steps
+
+
+def _features(d: Decision) -> dict[str, Any] | None:
+    if d.features is None:
+        return None
+    f = asdict(d.features)
+    f["max_tokens"] = _finite(d.features.max_tokens)
+    return f
+
+
+def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
+    """Why a request with this body and these headers, sent to ``path``, would go where it goes now."""
+    endpoint = endpoint_for(path)
+    task_header = next((v for k, v in headers.items() if k.lower() == TASK_HEADER), None)
+    live = rt.live
+    d = decide(live, rt.routing, endpoint, body, task_header, rt.rng, count=False)
+    d.check_model()
+    klass = d.klass
+    controller = rt.routing.snapshot().get(d.traffic_class) if klass is not None else None
+    model = body.get("model")
+    return {
+        "request": {"path": path, "endpoint": endpoint, "model": model if isinstance(model, str) else None},
+        "features": _features(d),
+        "task_type": None if d.features is None else d.features.task_type,
+        "task_source": None if d.features is None else d.features.task_source,
+        "traffic_class": {
+            "name": d.traffic_class,
+            "description": None if klass is None else klass.description,
+            "route": None if klass is None else route_dict(klass.route),
+            "controlled": controller is not None,
+        },
+        "controller": controller,
+        "choice": None
+        if d.choice is None
+        else {"state": d.choice.state, "pick": d.choice.pick, "share": d.choice.share, "forced": d.choice.forced},
+        "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
+        "plan": {
+            "reason": d.plan.reason,
+            "empty": d.plan.empty,  # the proxy would answer 503 no_capacity
+            "steps": plan_steps(d.plan, live, klass, d.max_attempts),
+            "skipped": [{"pool": p, "reason": why} for p, why in d.plan.skipped],
+            "max_attempts": d.max_attempts,
+        },
+        "config": {"source": live.source, "digest": live.digest},
+    }

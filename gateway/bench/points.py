@@ -1,0 +1,52 @@
+"""What a policy sweep is made of: the policies and their routing files, how the simulated servers run
+(``Setup``), and one measured load point (``Point``). Shared by the sweep and its report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.bench.load import Summary
+from gateway.sim.wire import OutputLengths
+
+POLICIES = ("standard", "speculative", "nginx", "adaptive")
+LABELS = {
+    "standard": "2x standard",
+    "speculative": "2x speculative",
+    "nginx": "NGINX seed rule",
+    "adaptive": "specgate adaptive",
+}
+POLICY_FILES = {
+    "standard": "bench/policies/standard-only.yaml",
+    "speculative": "bench/policies/speculative-only.yaml",
+    "nginx": "bench/policies/nginx-seed.yaml",
+}
+DEFAULT_LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """How the simulated servers run."""
+
+    time_scale: float = 0.5
+    max_num_seqs: int = 8
+    scale: int = 32  # a batch of max_num_seqs stands for one of max_num_seqs × scale
+    output_median: float = 80.0
+    output_sigma: float = 0.5
+    duration_s: float = 12.0  # wall seconds of arrivals per load point (per repeat)
+    seed: int = 7
+    repeats: int = 1  # runs per load point with their own arrivals; percentiles over all their requests
+
+    @property
+    def lengths(self) -> OutputLengths:
+        return OutputLengths(self.output_median, self.output_sigma)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    policy: str
+    load: float  # fraction of capacity
+    rate_rps: float  # offered, simulated requests per second
+    summary: Summary  # all classes
+    per_class: tuple[Summary, ...]
+    wall_s: float
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point

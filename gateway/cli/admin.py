@@ -1,0 +1,384 @@
+"""The admin CLI: ``specgate pools | weight | drain | undrain | force | overrides | audit | reload | explain``.
+
+Every command talks to a running gateway's admin API (``--url``, default ``SPECGATE_ADMIN_URL`` or
+http://127.0.0.1:8081); the admin token comes from ``SPECGATE_ADMIN_TOKEN`` (never a flag, so it does not show in
+``ps``). The HTTP side and the exit codes are in ``gateway.admin.client``: 0 ok; 1 the admin API refused or failed
+the operation (its message is printed); 2 a usage error or the admin API cannot be reached; 3 authentication failed.
+
+``specgate explain FILE`` (older than the others) keeps its own exit codes: an authentication failure is 1 there.
+FILE holds the request body exactly as a client would POST it (``-``: standard input).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import orjson
+import typer
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gateway.admin import client as ac
+from gateway.admin.client import Call
+from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, EXPLAIN_DEFAULT_PATH, TOKEN_ENV, URL_ENV
+from gateway.cli.render import _fmt, render
+
+
+def _fail(err: Console, message: str, code: int) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _headers(pairs: list[str], err: Console) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        if not sep or not name.strip():
+            raise _fail(err, f"--header {pair!r}: expected NAME:VALUE (e.g. 'X-Task-Type: code')", 2)
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _read(file: Path, err: Console) -> bytes:
+    if str(file) == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return file.read_bytes()
+    except OSError as exc:
+        raise _fail(err, f"cannot read {file}: {exc.strerror or exc}", 2) from exc
+
+
+def fetch_explanation(
+    url: str, path: str, body: bytes, headers: dict[str, str], token: str | None, timeout_s: float
+) -> httpx.Response:
+    sent = {"content-type": "application/json", **headers}
+    if token:
+        sent["authorization"] = f"Bearer {token}"
+    return httpx.post(
+        url.rstrip("/") + "/admin/explain", params={"path": path}, content=body, headers=sent, timeout=timeout_s
+    )
+
+
+def explain_command(
+    file: Annotated[Path, typer.Argument(help="JSON request body, as a client would send it ('-': stdin).")],
+    url: Annotated[str, typer.Option(envvar="SPECGATE_ADMIN_URL", help="The gateway's admin API.")] = DEFAULT_URL,
+    path: Annotated[str, typer.Option(help="The client path the request would go to.")] = EXPLAIN_DEFAULT_PATH,
+    header: Annotated[
+        list[str] | None,
+        typer.Option("--header", "-H", help="A request header, NAME:VALUE (e.g. 'X-Task-Type: code'); repeatable."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the admin API's raw JSON.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the admin API.")] = 10.0,
+) -> None:
+    """Why a request would go where it goes: class, controller state, live pool numbers, and the attempt plan.
+    Sends nothing to any model server. Token: SPECGATE_ADMIN_TOKEN."""
+    out, err = Console(), Console(stderr=True)
+    headers = _headers(header or [], err)
+    body = _read(file, err)
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    try:
+        r = fetch_explanation(url, path, body, headers, token, timeout)
+    except httpx.InvalidURL as exc:
+        raise _fail(err, f"bad --url {url!r}: {exc}", 2) from exc
+    except httpx.HTTPError as exc:
+        raise _fail(
+            err,
+            f"cannot reach the admin API at {url}: {exc or type(exc).__name__}. "
+            "Is the gateway running with --admin-port? Check --url.",
+            2,
+        ) from exc
+    try:
+        data = orjson.loads(r.content)
+    except orjson.JSONDecodeError:
+        data = None
+    if r.status_code >= 400:
+        e = data.get("error") if isinstance(data, dict) else None
+        message = e.get("message") if isinstance(e, dict) else r.text[:300] or f"HTTP {r.status_code}"
+        hint = ""
+        if r.status_code == 401:
+            hint = f" (set {TOKEN_ENV} to the gateway's admin token)" if token is None else f" (check {TOKEN_ENV})"
+        code = 3 if r.status_code in (401, 403) else 1  # the same exit codes as the other admin commands
+        raise _fail(err, f"the admin API answered {r.status_code}: {message}{hint}", code)
+    if not isinstance(data, dict):
+        raise _fail(err, f"{url} did not answer like a specgate admin API (check --url)", 2)
+    if as_json:
+        typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return
+    render(data, out)
+
+
+# --- pools, weight, drain, undrain, force, overrides, audit, reload -------------------------------------------
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 1 the admin API refused or failed the operation (its message is printed); "
+    "2 usage error or the admin API cannot be reached at --url; 3 authentication failed (401/403)."
+)
+TTL_HELP = "How long it lasts: 90s, 30m, 2h, 1d; 'never' = until removed. Default: the YAML's admin.default_ttl_s."
+
+UrlOption = Annotated[
+    str, typer.Option("--url", envvar=URL_ENV, help="The gateway's admin API (--admin-port).", show_envvar=True)
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the admin API's raw JSON answer.")]
+TimeoutOption = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the admin API.")]
+TtlOption = Annotated[str | None, typer.Option("--ttl", help=TTL_HELP, show_default=False)]
+ReasonOption = Annotated[str, typer.Option("--reason", help="Why (required): kept in the audit log.")]
+
+
+def _client(url: str, timeout: float) -> ac.AdminClient:
+    token = os.environ.get(TOKEN_ENV, "").strip() or None
+    actor = os.environ.get(ACTOR_ENV, "").strip() or None
+    return ac.AdminClient(url, token, timeout, actor)
+
+
+def _dump(data: Any) -> None:
+    typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+
+
+def _run(
+    url: str, timeout: float, build: Callable[[], Call], as_json: bool, show: Callable[[dict[str, Any]], None]
+) -> None:
+    """Build the call (a ``ValueError`` is a usage error: exit 2), send it, print the answer (``--json``: raw);
+    a failure prints its message (and any path-named errors) and exits with its code."""
+    err = Console(stderr=True)
+    try:
+        call = build()
+    except ValueError as exc:
+        raise _fail(err, str(exc), ac.EXIT_USAGE) from exc
+    try:
+        data = _client(url, timeout).send(call)
+    except ac.AdminFailure as f:
+        if as_json and f.data is not None:
+            _dump(f.data)
+        details = ac.error_details(f.data) if f.exit_code == ac.EXIT_REFUSED else []
+        if not details:
+            raise _fail(err, f.message, f.exit_code) from f
+        _fail(err, f"the admin API answered {f.status} with {len(details)} error(s) (nothing was changed):", 0)
+        for line in details:
+            err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(f.exit_code) from f
+    _dump(data) if as_json else show(data)
+
+
+def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in columns:
+        t.add_column(col, justify="right" if col in right else "left", overflow="fold")
+    return t
+
+
+def _overrides_table(overrides: list[dict[str, Any]], title: str) -> Table:
+    t = _table(title, ["id", "kind", "target", "value", "expires", "actor", "reason"])
+    for o in overrides:
+        cells = (
+            o.get("id"),
+            o.get("kind"),
+            ac.describe_target(o),
+            ac.describe_value(o),
+            ac.expires_text(o.get("expires_at")),
+        )
+        t.add_row(*(escape(str(c)) for c in (*cells, o.get("actor", "–"), o.get("reason", ""))))
+    return t
+
+
+def _print_change(data: dict[str, Any]) -> None:
+    out = Console()
+    o = data.get("override")
+    if isinstance(o, dict):
+        text = f"{ac.describe_target(o)}: {ac.describe_value(o)}, expires {ac.expires_text(o.get('expires_at'))}"
+        out.print(f"[bold green]done:[/] {escape(text)} [dim]({escape(str(o.get('id')))})[/]", highlight=False)
+    removed = data.get("removed")
+    if isinstance(removed, dict):
+        removed = [removed]
+    if isinstance(removed, list):
+        if not removed:
+            out.print("nothing to remove: no such override was active", highlight=False)
+        else:
+            out.print(_overrides_table(removed, f"removed {len(removed)} override(s)"))
+
+
+def _yes(value: Any) -> str:
+    return "–" if value is None else ("yes" if value else "[bold red]no[/]")
+
+
+def pools_command(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False, timeout: TimeoutOption = 10.0) -> None:
+    _run(url, timeout, lambda: ac.get_call("/admin/state"), as_json, _print_pools)
+
+
+POOL_COLUMNS = ["pool", "kind", "endpoint", "healthy", "weight", "effective", "in-flight", "queue", "batch", "accept"]
+
+
+def _print_pools(data: dict[str, Any]) -> None:
+    numbers = ("weight", "effective", "in-flight", "queue", "batch", "accept")
+    t = _table("pools (– unknown)", [*POOL_COLUMNS, "ejected"], right=numbers)
+    for name, p in (data.get("pools") or {}).items():
+        p = p if isinstance(p, dict) else {}
+        pool_cells = (
+            _fmt(p.get("waiting"), digits=0),
+            _fmt(p.get("running"), digits=0),
+            _fmt(p.get("acceptance_rate")),
+        )
+        drained = p.get("drained") or any(o.get("kind") == "drain" for o in p.get("overrides") or [])
+        kind = escape(str(p.get("kind", "–"))) + (" [bold](drained)[/]" if drained else "")
+        for e in p.get("endpoints") or [{}]:
+            configured = e.get("configured_weight", e.get("weight"))
+            t.add_row(
+                escape(name),
+                kind,
+                escape(str(e.get("id", "–"))),
+                _yes(e.get("healthy")),
+                ac.number_text(configured),
+                ac.number_text(e.get("effective_weight")),
+                _fmt(e.get("in_flight", p.get("in_flight")), digits=0),
+                *pool_cells,
+                {None: "–", True: "[bold red]yes[/]", False: "no"}[ac.ejected(e)],
+            )
+    out = Console()
+    out.print(t)
+    cfg = data.get("config") or {}
+    version = f"version {cfg['version']}, " if cfg.get("version") is not None else ""
+    digest = cfg.get("hash", cfg.get("digest"))
+    out.print(
+        f"[dim]config {escape(str(cfg.get('source')))} ({escape(version)}{escape(str(digest))})[/]", highlight=False
+    )
+    active = data.get("overrides")
+    if isinstance(active, list) and active:
+        out.print(f"{len(active)} active override(s): see [bold]specgate overrides[/]", highlight=False)
+
+
+def weight_command(
+    target: Annotated[str, typer.Argument(help="POOL, or POOL/ENDPOINT for one endpoint.", show_default=False)],
+    weight: Annotated[float, typer.Argument(help="The new weight (>= 0; 0 = no new requests).", min=0)],
+    reason: ReasonOption,
+    ttl: TtlOption = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    _run(url, timeout, lambda: ac.weight_call(target, weight, ttl, reason), as_json, _print_change)
+
+
+def drain_command(
+    pool: Annotated[str, typer.Argument(help="The pool to drain (in-flight requests finish).")],
+    reason: ReasonOption,
+    ttl: TtlOption = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    _run(url, timeout, lambda: ac.drain_call(pool, ttl, reason), as_json, _print_change)
+
+
+def undrain_command(
+    pool: Annotated[str, typer.Argument(help="The drained pool.")],
+    reason: ReasonOption,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    _run(url, timeout, lambda: ac.undrain_call(pool, reason), as_json, _print_change)
+
+
+def force_command(
+    klass: Annotated[str, typer.Argument(metavar="CLASS", help="The traffic class.")],
+    route: Annotated[str, typer.Argument(metavar="standard|speculative|auto", help="'auto' removes the force.")],
+    reason: ReasonOption,
+    ttl: TtlOption = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    _run(url, timeout, lambda: ac.force_call(klass, route, ttl, reason), as_json, _print_change)
+
+
+def overrides_command(
+    remove: Annotated[str | None, typer.Option("--remove", metavar="ID", help="Remove this override.")] = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (required with --remove).")] = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    if remove is not None:
+        if reason is None:
+            raise _fail(Console(stderr=True), "--remove needs --reason: say why, for the audit log", ac.EXIT_USAGE)
+        _run(url, timeout, lambda: ac.remove_override_call(remove, reason), as_json, _print_change)
+    else:
+        _run(url, timeout, lambda: ac.get_call("/admin/overrides"), as_json, _print_overrides)
+
+
+def _print_overrides(data: dict[str, Any]) -> None:
+    active = data.get("overrides") or []
+    if not active:
+        Console().print("no active overrides", highlight=False)
+        return
+    Console().print(_overrides_table(active, f"{len(active)} active override(s)"))
+
+
+def audit_command(
+    limit: Annotated[int | None, typer.Option("--limit", min=1, max=1000, help="At most N records (newest).")] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only after: a duration ago (30m, 2h), an epoch or an ISO time.")
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    as_json: JsonOption = False,
+    timeout: TimeoutOption = 10.0,
+) -> None:
+    _run(
+        url,
+        timeout,
+        lambda: ac.audit_call(limit, None if since is None else ac.parse_since(since)),
+        as_json,
+        _print_audit,
+    )
+
+
+def _print_audit(data: dict[str, Any]) -> None:
+    records = data.get("records") or []
+    t = _table(
+        f"audit ({len(records)} of {data.get('total', '–')} records, newest last)",
+        ["time", "actor", "action", "target", "reason", "detail"],
+    )
+    for r in records:
+        detail = r.get("detail")
+        t.add_row(
+            ac.local_time(r.get("at")),
+            *(escape(str(r.get(k, "–"))) for k in ("actor", "action", "target", "reason")),
+            escape(ac.detail_text(detail)),
+        )
+    Console().print(t)
+
+
+def reload_command(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False, timeout: TimeoutOption = 30.0) -> None:
+    _run(url, timeout, lambda: Call("POST", "/admin/reload", "/admin/reload"), as_json, _print_reload)
+
+
+def _print_reload(data: dict[str, Any]) -> None:
+    out = Console()
+    result = str(data.get("result", "?"))
+    style = "bold green" if result == "ok" else "bold"
+    text = f"version {data.get('version')}, hash {data.get('hash')}"
+    out.print(f"[{style}]{escape(result)}[/]: {escape(text)}", highlight=False)
+    dropped = data.get("dropped_overrides") or []
+    if dropped:
+        out.print(_overrides_table(dropped, f"dropped {len(dropped)} override(s): their pool or class is gone"))
+
+
+COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
+    "pools": (pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load."),
+    "weight": (
+        weight_command,
+        "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests.",
+    ),
+    "drain": (drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish."),
+    "undrain": (undrain_command, "End a pool's drain."),
+    "force": (force_command, "Force a traffic class to its standard or speculative pool for --ttl; auto ends it."),
+    "overrides": (overrides_command, "The active overrides; --remove ID --reason … removes one."),
+    "audit": (audit_command, "The audit log: every admin change, expiry and controller transition, with why."),
+    "reload": (reload_command, "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes)."),
+}

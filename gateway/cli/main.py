@@ -1,0 +1,412 @@
+"""The ``specgate`` command: serve | validate | explain | demo | sim | bench | report, and the admin commands (pools,
+weight, drain, undrain, force, overrides, audit, reload: ``gateway.cli.admin``).
+
+Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from gateway import __version__
+from gateway.cli.console import err, out
+from gateway.cli.console import fail as _fail
+from gateway.config.settings import Settings, SettingsError
+
+app = typer.Typer(
+    name="specgate",
+    help="Traffic-class routing gateway for vLLM: speculative vs standard pools.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"specgate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """specgate: an OpenAI-compatible gateway that routes each request to a speculative or standard vLLM pool."""
+
+
+@app.command()
+def serve(
+    rules: Annotated[Path, typer.Option("--rules", envvar="SPECGATE_RULES", help="Routing YAML file.")],
+    host: Annotated[str, typer.Option(envvar="SPECGATE_HOST", help="Address to listen on.")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Client port.")] = 8080,
+    workers: Annotated[int, typer.Option(envvar="SPECGATE_WORKERS", help="Worker processes.")] = 1,
+    max_body_bytes: Annotated[
+        int, typer.Option(envvar="SPECGATE_MAX_BODY_BYTES", help="Largest accepted request body.")
+    ] = 8 * 1024 * 1024,
+    api_keys: Annotated[
+        str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
+    ] = "",
+    api_keys_file: Annotated[
+        Path | None,
+        typer.Option(envvar="SPECGATE_API_KEYS_FILE", help="File with one client API key per line."),
+    ] = None,
+    health_interval_s: Annotated[
+        float, typer.Option("--health-interval", envvar="SPECGATE_HEALTH_INTERVAL_S", help="Seconds between checks.")
+    ] = 5.0,
+    health_timeout_s: Annotated[
+        float, typer.Option("--health-timeout", envvar="SPECGATE_HEALTH_TIMEOUT_S", help="Health check timeout.")
+    ] = 2.0,
+    log_level: Annotated[
+        str, typer.Option(envvar="SPECGATE_LOG_LEVEL", help="debug | info | warning | error.")
+    ] = "info",
+    admin_host: Annotated[
+        str, typer.Option(envvar="SPECGATE_ADMIN_HOST", help="Admin API address (token: SPECGATE_ADMIN_TOKEN).")
+    ] = "127.0.0.1",
+    admin_port: Annotated[int, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port (0: off).")] = 8081,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SPECGATE_REDIS_URL",
+            help="Redis shared by the replicas (Idempotency-Key records, on-call overrides, the audit log), e.g. "
+            "redis://host:6379/0 (none: in memory, this process only).",
+        ),
+    ] = None,
+) -> None:
+    """Start the gateway."""
+    try:
+        settings = Settings(
+            rules=rules,
+            host=host,
+            port=port,
+            workers=workers,
+            max_body_bytes=max_body_bytes,
+            api_keys=api_keys,
+            api_keys_file=api_keys_file,
+            health_interval_s=health_interval_s,
+            health_timeout_s=health_timeout_s,
+            log_level=log_level,  # type: ignore[arg-type]
+            admin_host=admin_host,
+            admin_port=admin_port,
+            redis_url=redis_url or None,
+        )
+    except SettingsError as exc:
+        raise _fail(str(exc)) from exc
+    from gateway.cli.serve import run_server
+
+    run_server(settings)
+
+
+@app.command()
+def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")]) -> None:
+    """Check a routing YAML; print every problem (exit 1) or a one-line summary (exit 0)."""
+    from gateway.config.loader import RulesError, load_rules_file, summary
+
+    try:
+        rules = load_rules_file(file)
+    except RulesError as exc:
+        for issue in exc.issues:
+            err.print(escape(f"{file}: {issue}"), highlight=False, soft_wrap=True)
+        err.print(f"[bold red]{len(exc.issues)} problem(s)[/] in {file}", highlight=False)
+        raise typer.Exit(1) from exc
+    except OSError as exc:
+        raise _fail(f"cannot read {file}: {exc}") from exc
+    out.print(escape(f"{file}: {summary(rules)}"), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
+    rules: Annotated[Path, typer.Option(help="Routing YAML whose pools get simulated endpoints.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+) -> None:
+    """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
+    from gateway.cli.demo import run_demo
+
+    try:
+        run_demo(rules, port)
+    except (OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _register_sim() -> None:
+    from gateway.sim.server import sim_command
+
+    app.command("sim", help="A simulated vLLM server (speculative-decoding physics, vLLM 0.33 wire format).")(
+        sim_command
+    )
+
+
+_register_sim()
+
+
+def _register_explain() -> None:
+    from gateway.cli.admin import explain_command
+
+    app.command("explain", help="Why a request would go where it goes: asks a running gateway's admin API.")(
+        explain_command
+    )
+
+
+_register_explain()
+
+
+def _register_admin() -> None:
+    from gateway.cli.admin import COMMANDS, EXIT_CODES_HELP
+
+    for name, (command, help_text) in COMMANDS.items():
+        app.command(name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.")(command)
+
+
+_register_admin()
+
+bench_app = typer.Typer(help="Benchmarks that print numbers (run on a quiet machine).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("overhead")
+def bench_overhead_cmd(
+    duration: Annotated[int, typer.Option(help="Seconds per measurement.")] = 10,
+    connections: Annotated[str, typer.Option(help="Comma-separated connection counts.")] = "1,32",
+    tool: Annotated[
+        str, typer.Option(help="Load tool: wrk, builtin (a Python closed loop), or auto (wrk when installed).")
+    ] = "auto",
+) -> None:
+    """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
+    from gateway.bench.overhead import bench_overhead, load_tool, render
+
+    conns = [int(c) for c in connections.split(",") if c.strip()]
+    try:
+        chosen = load_tool(tool)
+        if chosen == "builtin":
+            out.print(
+                "load tool: built-in Python closed loop (wrk not used): its own CPU comes out of the same cores, "
+                "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
+                highlight=False,
+            )
+        rows, streams = bench_overhead(conns, duration, tool=chosen)
+    except (RuntimeError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(f"load tool: {chosen}", highlight=False)
+    out.print(render(rows, streams), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("controller")
+def bench_controller_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML; its pools get simulated servers.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+    phases: Annotated[
+        str, typer.Option(help="Load phases, name:requests-per-second:seconds, comma-separated.")
+    ] = "low:10:15,high:80:40,low:10:30",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.05,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 4,
+    output_len: Annotated[int, typer.Option(help="Median answer length of the simulated servers (tokens).")] = 200,
+) -> None:
+    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions and
+    per-class acceptance."""
+    from gateway.bench.controller import bench_controller, parse_phases, render
+
+    try:
+        run, spec_pools = bench_controller(
+            rules, parse_phases(phases), time_scale=time_scale, max_num_seqs=max_num_seqs, output_len=output_len
+        )
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render(run, spec_pools), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("classify")
+def bench_classify_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML.")] = Path("routing_rules/default.yaml"),
+    n: Annotated[int, typer.Option(help="Requests in the mix.")] = 20000,
+) -> None:
+    """Cost of classifying one request (parse + features + class), on a realistic mix."""
+    from gateway.bench.classify import run
+
+    out.print(run(str(rules), n).render(), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("sim-sweep")
+def bench_sim_sweep_cmd(
+    preset: Annotated[str, typer.Option(help="Simulator preset.")] = "llama70b-4xh100",
+    duration: Annotated[float, typer.Option(help="Simulated seconds of arrivals per point.")] = 120.0,
+) -> None:
+    """The vLLM blog's QPS sweep (70B, K=4) on the simulator, next to the published end-to-end latencies."""
+    import asyncio
+
+    from gateway.sim.sweep import blog_sweep, render_blog_table
+
+    rows = asyncio.run(blog_sweep(preset, duration_s=duration))
+    out.print(render_blog_table(rows), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("baseline")
+def bench_baseline_cmd(
+    url: Annotated[str, typer.Option(help="The gateway, a vLLM server or `specgate sim` (base URL).")],
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of GET /v1/models).")] = None,
+    requests: Annotated[int, typer.Option(help="Requests in all (the prompts in turn).")] = 24,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 1,
+    prompts: Annotated[
+        Path | None, typer.Option(help="JSON list of {text, max_tokens} (default: built-in prompts).")
+    ] = None,
+    out_file: Annotated[Path, typer.Option("--out", help="Where to write the baseline.")] = Path(
+        "baseline_metrics.json"
+    ),
+) -> None:
+    """Playbook Phase 1: TTFT/TPOT/E2E p50/p95/p99 and tokens/s of streaming requests -> baseline_metrics.json.
+    API key: SPECGATE_API_KEY."""
+    import asyncio
+    import json
+
+    from gateway.bench.baseline import BaselineError, load_prompts, render, run_baseline
+
+    try:
+        result = asyncio.run(
+            run_baseline(
+                url,
+                model=model,
+                requests=requests,
+                concurrency=concurrency,
+                prompts=load_prompts(prompts),
+                api_key=os.environ.get("SPECGATE_API_KEY") or None,
+            )
+        )
+    except (ValueError, OSError, BaselineError) as exc:
+        raise _fail(str(exc)) from exc
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    out.print(escape(render(result)), highlight=False, soft_wrap=True)
+    out.print(escape(f"written to {out_file}"), highlight=False)
+
+
+report_app = typer.Typer(help="Operators' reports from Prometheus.", no_args_is_help=True)
+app.add_typer(report_app, name="report")
+
+
+@report_app.command("weekly")
+def report_weekly_cmd(
+    prometheus: Annotated[str, typer.Option(help="Prometheus base URL, e.g. http://prometheus:9090.")],
+    baseline: Annotated[Path, typer.Option(help="baseline_metrics.json from `specgate bench baseline`.")],
+    range_: Annotated[str, typer.Option("--range", help="Period to report on (Prometheus duration).")] = "7d",
+    window: Annotated[
+        str | None, typer.Option(help="Window for acceptance min/max (default: min(5m, range/10)).")
+    ] = None,
+    pool_label: Annotated[str, typer.Option(help="Target label naming the pool on vLLM series.")] = "pool",
+    output_format: Annotated[str, typer.Option("--format", help="markdown | json.")] = "markdown",
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write the report here (default: stdout).")] = None,
+) -> None:
+    """Playbook Phase 7: acceptance per pool and class, E2E speedup against the baseline, fallbacks, controller
+    transitions, recommendations."""
+    import json
+
+    from gateway.report import weekly_report
+    from gateway.report.promql import PromError
+    from gateway.report.weekly import render_markdown
+
+    if output_format not in ("markdown", "json"):
+        raise _fail("--format must be markdown or json")
+    try:
+        report = weekly_report(prometheus, baseline, range_=range_, window=window, pool_label=pool_label)
+    except (ValueError, PromError) as exc:
+        raise _fail(str(exc)) from exc
+    text = json.dumps(report, indent=2) + "\n" if output_format == "json" else render_markdown(report)
+    if out_file is None:
+        print(text, end="")
+    else:
+        out_file.write_text(text)
+        out.print(escape(f"written to {out_file}"), highlight=False)
+
+
+@bench_app.command("load")
+def bench_load_cmd(
+    url: Annotated[str, typer.Option(help="Base URL of an OpenAI-compatible server or of the gateway.")],
+    mix: Annotated[str, typer.Option(help="Traffic mix: a YAML file or a name in bench/mixes/.")] = "default",
+    rate: Annotated[float, typer.Option(help="Requests per second (poisson, constant).")] = 2.0,
+    arrival: Annotated[
+        str,
+        typer.Option(help="poisson | constant | burst:BASE,PEAK,PERIOD,LENGTH | step:RATE@SECONDS,RATE@SECONDS..."),
+    ] = "poisson",
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals (step: the sum of its segments).")] = 30.0,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Raw results, one JSON object per request.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and requests.")] = 7,
+    time_scale: Annotated[
+        float, typer.Option(help="The server's clock (a simulator's --time-scale): times are divided by it.")
+    ] = 1.0,
+) -> None:
+    """Open-loop load from a traffic mix: TTFT, TPOT, inter-chunk, E2E per class and goodput."""
+    from gateway.bench.load import bench_load, render_summary
+    from gateway.bench.mix import load_mix
+
+    try:
+        results, summaries = bench_load(
+            url,
+            load_mix(mix),
+            arrival=arrival,
+            rate=rate,
+            duration_s=duration,
+            seed=seed,
+            time_scale=time_scale,
+            out=out_file,
+        )
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render_summary(summaries, f"bench load: {len(results)} requests"), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("policies")
+def bench_policies_cmd(
+    mix: Annotated[str, typer.Option(help="Traffic mix: a YAML file or a name in bench/mixes/.")] = "default",
+    loads: Annotated[
+        str, typer.Option(help="Offered loads as fractions of capacity, comma-separated.")
+    ] = "0.1,0.3,0.5,0.7,0.9,1.1",
+    policies: Annotated[
+        str, typer.Option(help="Policies: standard, speculative, nginx, adaptive (comma-separated).")
+    ] = "standard,speculative,nginx,adaptive",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
+    duration: Annotated[float, typer.Option(help="Wall seconds of arrivals per load point.")] = 12.0,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 8,
+    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and requests (the same for every policy).")] = 7,
+    repeats: Annotated[
+        int, typer.Option(help="Runs per load point, each with its own arrivals; percentiles over all of them.")
+    ] = 1,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md, the plots, results.jsonl.")] = Path(
+        "bench-results/policies"
+    ),
+) -> None:
+    """Routing policies (2x standard, 2x speculative, the seed's NGINX rule, specgate adaptive) on simulated pools
+    across offered loads: report.md, PNG plots, raw JSONL."""
+    from gateway.bench.mix import load_mix
+    from gateway.bench.points import Setup
+    from gateway.bench.policies import bench_policies
+
+    try:
+        if repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        setup = Setup(
+            time_scale=time_scale,
+            max_num_seqs=max_num_seqs,
+            scale=scale,
+            duration_s=duration,
+            seed=seed,
+            repeats=repeats,
+        )
+        fractions = [float(x) for x in loads.split(",") if x.strip()]
+        names = tuple(p.strip() for p in policies.split(",") if p.strip())
+        bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(f"report: {out_dir / 'report.md'}", highlight=False)
+    out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
+
+
+def main() -> None:
+    app()

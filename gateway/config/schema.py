@@ -1,0 +1,494 @@
+"""The routing YAML, as strict pydantic models.
+
+Parsing is strict (``extra="forbid"`` everywhere, no coercion from strings to numbers); the semantic checks
+that need the whole document (pool references, a catch-all class, unique names) live in
+``gateway.config.loader``. Field descriptions end up in ``routing_rules/schema.json`` for editors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+import re2
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+
+def _int_to_float(v: object) -> object:
+    # The models are strict (no "0.5" strings for numbers), and strict mode also refuses an int for a float field:
+    # YAML authors write `lte: 512` and `weight: 2`.
+    if isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+Number = Annotated[float, BeforeValidator(_int_to_float)]
+OptionalNumber = Annotated[float | None, BeforeValidator(_int_to_float)]  # keeps `minimum` etc. in the JSON schema
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+TASK_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+# Lower case: the X-Task-Type header is lower-cased before it is compared.
+TaskName = Annotated[str, Field(pattern=TASK_PATTERN)]
+
+
+def re2_options() -> re2.Options:
+    """Task-rule patterns run on RE2: linear time whatever the pattern or the text (no ReDoS from client input),
+    and a whole rule set is matched in one pass. Case-insensitive; no lookaround, no backreferences."""
+    opts = re2.Options()
+    opts.case_sensitive = False
+    opts.log_errors = False
+    return opts
+
+
+def _compilable(pattern: str) -> str:
+    try:
+        re2.compile(pattern, re2_options())
+    except re2.error as exc:
+        detail = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ValueError(f"invalid regular expression {pattern!r} (RE2 syntax): {detail}") from exc
+    return pattern
+
+
+# Validated one by one, so that an error names the item (``task_rules[3].patterns[1]``) and its line.
+Pattern = Annotated[str, AfterValidator(_compilable)]
+
+SpecMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix", "dflash"]
+PoolKind = Literal["speculative", "standard"]
+TextScope = Literal["system", "last_user"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Range(_Strict):
+    """A numeric condition: every bound given must hold. A missing ``max_tokens`` counts as +infinity."""
+
+    lt: OptionalNumber = None
+    lte: OptionalNumber = None
+    gt: OptionalNumber = None
+    gte: OptionalNumber = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Range:
+        if self.lt is None and self.lte is None and self.gt is None and self.gte is None:
+            raise ValueError("a range needs at least one of lt, lte, gt, gte")
+        if any(b is not None and math.isnan(b) for b in (self.lt, self.lte, self.gt, self.gte)):
+            raise ValueError("a range bound must be a number, not NaN (nothing would ever match)")
+        lower = max(
+            (b for b in (self.gt, self.gte) if b is not None),
+            default=-math.inf,
+        )
+        upper = min(
+            (b for b in (self.lt, self.lte) if b is not None),
+            default=math.inf,
+        )
+        strict = (self.gt is not None and self.gt == lower) or (self.lt is not None and self.lt == upper)
+        if lower > upper or (strict and lower == upper):
+            raise ValueError(f"thresholds out of order: the range is empty (lower {lower}, upper {upper})")
+        return self
+
+    def contains(self, x: float) -> bool:
+        if self.lt is not None and not x < self.lt:
+            return False
+        if self.lte is not None and not x <= self.lte:
+            return False
+        if self.gt is not None and not x > self.gt:
+            return False
+        return not (self.gte is not None and not x >= self.gte)
+
+
+class OneOf(_Strict):
+    """A set condition: the feature's value must be one of ``in``."""
+
+    in_: list[str] = Field(alias="in", min_length=1)
+
+
+class Conditions(_Strict):
+    """Conditions of a traffic class; all given must match. No conditions at all makes a catch-all class."""
+
+    temperature: Range | None = Field(None, description="Sampling temperature (missing = defaults.temperature).")
+    top_p: Range | None = Field(None, description="Nucleus sampling top_p (missing = defaults.top_p).")
+    max_tokens: Range | None = Field(
+        None, description="max_tokens or max_completion_tokens; missing = unbounded (+inf)."
+    )
+    n: Range | None = Field(None, description="Number of choices requested (missing = 1).")
+    prompt_tokens: Range | None = Field(None, description="Approximate prompt size in tokens.")
+    stream: bool | None = Field(None, description="Whether the client asked for a stream.")
+    tools: bool | None = Field(None, description="Whether tools or tool_choice are present.")
+    response_format: OneOf | None = Field(
+        None, description="response_format.type: text (also when missing), json_object, json_schema, ..."
+    )
+    model: OneOf | None = Field(None, description="The requested model name.")
+    task_type: OneOf | None = Field(None, description="Task type from X-Task-Type or the task rules.")
+    endpoint: OneOf | None = Field(None, description="chat or completions.")
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f) is None for f in type(self).model_fields)
+
+
+class TaskRule(_Strict):
+    """Assigns a task type. Rules are tried in order; every given part must match; the first match wins."""
+
+    task: TaskName
+    response_format: OneOf | None = Field(None, description="Match on response_format.type.")
+    tools: bool | None = Field(None, description="Match when tools/tool_choice are (not) present.")
+    patterns: list[Pattern] = Field(
+        default_factory=list,
+        description="Regular expressions in RE2 syntax (case-insensitive; no lookaround; \\b is an ASCII word "
+        "boundary); any one found in the scoped text matches.",
+    )
+    scope: list[TextScope] = Field(
+        default_factory=lambda: list[TextScope](("system", "last_user")),
+        min_length=1,
+        description="Which texts the patterns look at: the system prompt and/or the last user message.",
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> TaskRule:
+        if self.response_format is None and self.tools is None and not self.patterns:
+            raise ValueError("a task rule needs at least one of response_format, tools, patterns")
+        return self
+
+
+class Saturation(_Strict):
+    """When the preferred pool counts as saturated, so the class goes to ``route.saturated``."""
+
+    max_inflight_per_endpoint: int | None = Field(
+        None, gt=0, description="Gateway in-flight requests per routable endpoint of the preferred pool."
+    )
+
+
+class Route(_Strict):
+    preferred: Name = Field(description="The pool this class goes to normally.")
+    saturated: Name | None = Field(None, description="The pool to use while the preferred one is saturated.")
+    fallback: list[Name] = Field(
+        default_factory=list, description="Ordered pools to try when the chosen pool fails before the commit."
+    )
+    saturation: Saturation = Field(default_factory=Saturation)
+    ttft_deadline_s: OptionalNumber = Field(
+        None,
+        gt=0,
+        description="Streams: an attempt with no first event within this many seconds moves on to the next pool "
+        "(default: the pool's timeouts.first_byte_s). Non-streaming answers are bounded by total_s only.",
+    )
+    fallback_model: str | None = Field(
+        None,
+        min_length=1,
+        description="A fallback pool that does not serve the requested model may serve this model instead (the "
+        "body's model is rewritten for that attempt; header x-specgate-model). Off (null) by default: another "
+        "model's answer is not equivalent.",
+    )
+
+
+class ControllerConfig(_Strict):
+    """The class's route-state controller (``gateway.routing.controller``): speculative pool or standard pool, from live
+    measurements, with hysteresis, a hold time, a change cap and the fallback guard. Ratios compare the expected
+    delay of the speculative pool with the standard one's; queue and batch limits are per fresh endpoint of the
+    speculative pool."""
+
+    window_s: Number = Field(30.0, gt=0, description="Observation window; the guard counts one window per window_s.")
+    min_samples: int = Field(20, ge=1, description="Samples (class requests) in a window before any decision.")
+    exit_margin: Number = Field(
+        1.25, gt=0, description="Leave the speculative pool when its expected delay > standard's x this ratio."
+    )
+    enter_margin: Number = Field(
+        0.9, gt=0, description="Come back when its expected delay < standard's x this ratio (below exit_margin)."
+    )
+    acceptance_weight: Number = Field(
+        0.5,
+        ge=0,
+        description="Both margins are multiplied by 1 + acceptance_weight x the class's last measured acceptance "
+        "rate, so high-acceptance classes stay on the speculative pool longest (no measurement: no bonus).",
+    )
+    max_queue_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this queue.")
+    max_queue_exit: OptionalNumber = Field(None, ge=0, description="Leave above this queue if standard is faster.")
+    max_batch_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this batch.")
+    max_batch_exit: OptionalNumber = Field(None, ge=0, description="Leave above this batch if standard is faster.")
+    share_step: Number = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="The class's share of requests on the speculative pool moves in steps of this size, at most one "
+        "per window_s, and settles where the pools' delays balance; 1 moves the class as a whole.",
+    )
+    min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
+    max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
+    safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")
+    disable_below: OptionalNumber = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Acceptance floor of the guard, as vLLM's acceptance RATE = Δaccepted / Δdraft_tokens "
+        "(= E[accepted]/K under the truncated geometric), not the per-position acceptance a: a = 0.5 with K = 5 "
+        "is a rate of about 0.19. None: no acceptance guard.",
+    )
+    disable_after_windows: int = Field(
+        3, ge=1, description="Consecutive windows below the floor (or with regressed p95) that trip the guard."
+    )
+    latency_regression_pct: OptionalNumber = Field(
+        None, gt=0, description="Trip the guard when p95 on the speculative pool exceeds the baseline by this %."
+    )
+    baseline_p95_s: OptionalNumber = Field(None, gt=0, description="Recorded baseline p95 latency of the class.")
+    reenable_after_s: Number = Field(600.0, ge=0, description="The guard's condition must be gone this long.")
+    max_reenables_per_day: int = Field(
+        3, ge=0, description="Re-enables in 24 h; the next trip locks the class off until a person unlocks it."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ControllerConfig:
+        if not self.enter_margin < self.exit_margin:
+            raise ValueError(
+                f"thresholds out of order: enter_margin {self.enter_margin} must be below exit_margin "
+                f"{self.exit_margin} (hysteresis)"
+            )
+        for what in ("queue", "batch"):
+            enter, exit_ = getattr(self, f"max_{what}_enter"), getattr(self, f"max_{what}_exit")
+            if (enter is None) != (exit_ is None):
+                raise ValueError(f"max_{what}_enter and max_{what}_exit go together: give both or neither")
+            if enter is not None and not enter < exit_:
+                raise ValueError(
+                    f"thresholds out of order: max_{what}_enter {enter} must be below max_{what}_exit {exit_}"
+                )
+        return self
+
+
+class TrafficClass(_Strict):
+    name: Name
+    description: str | None = None
+    when: Conditions = Field(default_factory=Conditions)
+    route: Route
+    controller: ControllerConfig | None = Field(
+        None, description="Live speculative/standard controller; none = the static route above."
+    )
+    require_idempotency_key: bool = Field(
+        False, description="Answer 400 to requests of this class without an Idempotency-Key header."
+    )
+
+
+class Idempotency(_Strict):
+    """Requests with an ``Idempotency-Key`` header (``gateway.proxy.idempotency``): the stored response's lifetime, the
+    claim's lease, and what a repeat or an unreachable store gets."""
+
+    ttl_s: Number = Field(86400.0, gt=0, description="How long a completed response is kept for replay.")
+    lease_s: Number = Field(
+        30.0, gt=0, description="Lease of a running claim, renewed every lease_s/3 while the request runs."
+    )
+    on_running: Literal["reject", "wait"] = Field(
+        "reject", description="A repeat while the first request runs: 409 (reject), or wait and replay (wait)."
+    )
+    wait_timeout_s: Number = Field(60.0, gt=0, description="on_running wait: 409 after waiting this long.")
+    store_unavailable: Literal["refuse", "proceed"] = Field(
+        "refuse", description="Keyed requests while the store is unreachable: 503 (refuse), or run without a key."
+    )
+
+
+class Admin(_Strict):
+    """On-call overrides through the admin API (``gateway.overrides.manager``): how long a change lasts without an
+    explicit
+    ``ttl``, and the longest ``ttl`` accepted ("never" is always accepted when asked for explicitly)."""
+
+    default_ttl_s: Number = Field(3600.0, gt=0, description="Lifetime of an override sent without a ttl.")
+    max_ttl_s: Number = Field(604800.0, gt=0, description="Longest ttl an override may ask for (except 'never').")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Admin:
+        if self.default_ttl_s > self.max_ttl_s:
+            raise ValueError(
+                f"thresholds out of order: default_ttl_s {self.default_ttl_s} > max_ttl_s {self.max_ttl_s}"
+            )
+        return self
+
+
+class Timeouts(_Strict):
+    connect_s: Number = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
+    first_byte_s: Number = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
+    total_s: Number = Field(600.0, gt=0, description="Whole request, streaming included.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Timeouts:
+        if not self.connect_s <= self.first_byte_s <= self.total_s:
+            raise ValueError(
+                "thresholds out of order: need connect_s <= first_byte_s <= total_s, got "
+                f"{self.connect_s} / {self.first_byte_s} / {self.total_s}"
+            )
+        return self
+
+
+class Speculative(_Strict):
+    """Informational: what the pool's vLLM runs with (``--speculative-config``)."""
+
+    method: SpecMethod
+    num_speculative_tokens: int = Field(gt=0)
+    draft_model: str | None = None
+
+
+class Endpoint(_Strict):
+    url: str = Field(
+        description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000",
+        json_schema_extra={"pattern": "^https?://[^/?#]+"},  # for editors; the validator below decides
+    )
+    weight: Number = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
+    id: Name | None = Field(None, description="Stable id (default: host:port of the URL).")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"endpoint url must be http(s)://host[:port], got {v!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"endpoint url must not carry a query or fragment, got {v!r}")
+        return v.rstrip("/")
+
+    @property
+    def endpoint_id(self) -> str:
+        if self.id is not None:
+            return self.id
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"{parts.hostname}:{port}"
+
+
+class Pool(_Strict):
+    name: Name
+    kind: PoolKind
+    speculative: Speculative | None = Field(None, description="Required for kind speculative.")
+    models: list[str] = Field(min_length=1, description="Model names this pool serves (as in /v1/models).")
+    endpoints: list[Endpoint] = Field(min_length=1)
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the pool's API key (sent as Bearer).",
+    )
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_connections: int = Field(256, gt=0, description="Connection pool size per endpoint.")
+
+    @model_validator(mode="after")
+    def _kind_matches(self) -> Pool:
+        if self.kind == "speculative" and self.speculative is None:
+            raise ValueError("a speculative pool needs a `speculative` block (method, num_speculative_tokens)")
+        if self.kind == "standard" and self.speculative is not None:
+            raise ValueError("a standard pool must not have a `speculative` block")
+        return self
+
+
+class RetryBudget(_Strict):
+    """Process-wide cap on retries (Envoy's retry budget): retries in progress may not exceed ``ratio`` x the
+    requests in progress, or ``min_retries``, whichever is larger. A retry refused by it ends the request (503)."""
+
+    ratio: Number = Field(0.2, ge=0, le=1, description="Share of the active requests that may be retries at once.")
+    min_retries: int = Field(3, ge=0, description="Concurrent retries always allowed, however few requests run.")
+
+
+class OutlierDetection(_Strict):
+    """Passive ejection of an endpoint after consecutive failed attempts; it comes back once its ejection has
+    expired and an active health check passes. The k-th ejection in a row lasts base_ejection_s x 2^(k-1), at
+    most max_ejection_s; k starts again after max_ejection_s without an ejection."""
+
+    consecutive_failures: int = Field(5, ge=1, description="Failed attempts in a row that eject the endpoint.")
+    base_ejection_s: Number = Field(30.0, gt=0, description="Length of the first ejection.")
+    max_ejection_s: Number = Field(300.0, gt=0, description="Longest ejection; also the quiet time that resets k.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OutlierDetection:
+        if self.base_ejection_s > self.max_ejection_s:
+            raise ValueError(
+                f"thresholds out of order: base_ejection_s {self.base_ejection_s} > max_ejection_s "
+                f"{self.max_ejection_s}"
+            )
+        return self
+
+
+class Defaults(_Strict):
+    temperature: Number = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
+    top_p: Number = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
+    task_type: TaskName = Field("chat", description="Task type when no header and no task rule applies.")
+    chars_per_token: Number = Field(4.0, gt=0, description="For the approximate prompt size.")
+    task_scan_chars: int = Field(
+        16384, ge=256, description="Task-rule patterns see at most this many characters of a text (head and tail)."
+    )
+    max_attempts: int = Field(2, ge=1, le=10, description="Attempts per request across pools (before commit).")
+    retry_budget: RetryBudget = Field(default_factory=RetryBudget, description="Process-wide cap on retries.")
+    outlier_detection: OutlierDetection = Field(
+        default_factory=OutlierDetection, description="Passive ejection of endpoints that keep failing."
+    )
+
+
+PROMETHEUS_NAME = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
+MetricName = Annotated[str, Field(pattern=PROMETHEUS_NAME)]
+
+
+class MetricNames(_Strict):
+    """The vLLM metric names the scraper reads (vLLM 0.33 defaults); override them for other vLLM versions.
+
+    Counters may be written with or without the ``_total`` suffix; histograms by their base name (without
+    ``_sum`` / ``_count``). Series are summed over the ``engine`` and ``model_name`` labels."""
+
+    running: MetricName = Field("vllm:num_requests_running", description="Gauge: requests in the running batch.")
+    waiting: MetricName = Field("vllm:num_requests_waiting", description="Gauge: queued requests (queue depth).")
+    kv_usage: MetricName = Field("vllm:kv_cache_usage_perc", description="Gauge: KV-cache usage, 0..1.")
+    drafts: MetricName = Field("vllm:spec_decode_num_drafts", description="Counter: draft rounds.")
+    draft_tokens: MetricName = Field("vllm:spec_decode_num_draft_tokens", description="Counter: draft tokens.")
+    accepted: MetricName = Field("vllm:spec_decode_num_accepted_tokens", description="Counter: accepted draft tokens.")
+    accepted_per_pos: MetricName = Field(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        description="Counter with a `position` label: accepted draft tokens per draft position.",
+    )
+    generation_tokens: MetricName = Field("vllm:generation_tokens", description="Counter: generated tokens.")
+    tpot: MetricName = Field(
+        "vllm:request_time_per_output_token_seconds", description="Histogram: time per output token (seconds)."
+    )
+
+
+class Scrape(_Strict):
+    """Scraping every endpoint's ``/metrics`` and ``/health`` (queue depth, batch size, KV usage, acceptance)."""
+
+    interval_s: Number = Field(2.0, gt=0, description="Seconds between scrape rounds.")
+    timeout_s: Number = Field(1.0, gt=0, description="Timeout of one scrape request (/metrics or /health).")
+    stale_after_s: OptionalNumber = Field(
+        None, gt=0, description="A sample older than this is stale (never read as 0); default 3 x interval_s."
+    )
+    window_s: Number = Field(60.0, gt=0, description="Sliding window for acceptance and TPOT (counter deltas).")
+    metric_names: MetricNames = Field(default_factory=MetricNames)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Scrape:
+        if self.timeout_s > self.interval_s:
+            raise ValueError(f"thresholds out of order: timeout_s {self.timeout_s} > interval_s {self.interval_s}")
+        if self.stale_after_s is not None and self.stale_after_s <= self.interval_s:
+            raise ValueError(
+                f"thresholds out of order: stale_after_s {self.stale_after_s} must exceed interval_s {self.interval_s}"
+            )
+        if self.window_s < 2 * self.interval_s:
+            raise ValueError(
+                f"window_s {self.window_s} must be at least 2 x interval_s ({2 * self.interval_s}): a window needs "
+                "two scrapes"
+            )
+        return self
+
+    @property
+    def stale_after(self) -> float:
+        return self.stale_after_s if self.stale_after_s is not None else 3 * self.interval_s
+
+
+class RoutingRules(_Strict):
+    """The whole routing YAML."""
+
+    version: Literal[1] = 1
+    defaults: Defaults = Field(default_factory=Defaults)
+    pools: list[Pool] = Field(min_length=1)
+    embeddings_pool: Name | None = Field(None, description="Pool that serves POST /v1/embeddings.")
+    task_rules: list[TaskRule] = Field(default_factory=list)
+    classes: list[TrafficClass] = Field(min_length=1, description="First match wins; the last is a catch-all.")
+    scrape: Scrape = Field(default_factory=Scrape, description="Scraping of the endpoints' /metrics and /health.")
+    idempotency: Idempotency = Field(default_factory=Idempotency, description="Idempotency-Key handling.")
+    admin: Admin = Field(default_factory=Admin, description="On-call overrides through the admin API.")
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)

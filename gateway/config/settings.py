@@ -1,0 +1,104 @@
+"""Process settings: resolved once, from command-line flags or ``SPECGATE_*`` environment variables.
+
+Each field maps to one variable (``SPECGATE_`` + upper-case field name); ``specgate serve`` flags use the
+same names. With several workers, the parent writes the resolved settings to the environment and each worker
+reads them back with ``Settings.from_env`` (uvicorn starts workers from an import string).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+ENV_PREFIX = "SPECGATE_"
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    rules: Path
+    host: str = "0.0.0.0"
+    port: int = 8080
+    workers: int = 1
+    max_body_bytes: int = 8 * 1024 * 1024
+    api_keys: str = ""
+    api_keys_file: Path | None = None
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    log_level: LogLevel = "info"
+    admin_host: str = "127.0.0.1"  # the admin API listener (gateway/admin/app.py); its token is SPECGATE_ADMIN_TOKEN
+    admin_port: int = 8081  # 0: no admin listener
+    # Idempotency records shared by the replicas (redis:// | rediss:// | unix://); None: in memory, this process
+    # only. It may hold a password: kept out of repr, and logged only through gateway.store.redis.redact_url.
+    redis_url: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be 1..65535, got {self.port}")
+        if not 0 <= self.admin_port < 65536:
+            raise SettingsError(f"admin_port must be 0 (off) or 1..65535, got {self.admin_port}")
+        if self.admin_port == self.port:
+            raise SettingsError(f"admin_port must differ from port ({self.port}); 0 turns the admin listener off")
+        if self.workers < 1:
+            raise SettingsError(f"workers must be >= 1, got {self.workers}")
+        if self.max_body_bytes < 1024:
+            raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise SettingsError("health_interval_s and health_timeout_s must be > 0")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise SettingsError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        rules = env.get(ENV_PREFIX + "RULES")
+        if not rules:
+            raise SettingsError("no routing rules: set --rules FILE or SPECGATE_RULES")
+        kw: dict[str, object] = {"rules": Path(rules)}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if f.name == "rules" or raw is None or raw == "":
+                continue
+            try:
+                if f.name in ("port", "workers", "max_body_bytes", "admin_port"):
+                    kw[f.name] = int(raw)
+                elif f.name in ("health_interval_s", "health_timeout_s"):
+                    kw[f.name] = float(raw)
+                elif f.name == "api_keys_file":
+                    kw[f.name] = Path(raw)
+                else:
+                    kw[f.name] = raw
+            except ValueError as exc:
+                raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from exc
+        return cls(**kw)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[ENV_PREFIX + f.name.upper()] = str(v)
+        return out
+
+    def client_api_keys(self) -> frozenset[str]:
+        """Client keys from SPECGATE_API_KEYS (comma-separated) and the keys file (one per line, # comments)."""
+        keys = {k.strip() for k in self.api_keys.split(",") if k.strip()}
+        if self.api_keys_file is not None:
+            try:
+                text = self.api_keys_file.read_text()
+            except OSError as exc:
+                raise SettingsError(f"cannot read api keys file {self.api_keys_file}: {exc}") from exc
+            for line in text.splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.add(line)
+        return frozenset(keys)

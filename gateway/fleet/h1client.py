@@ -1,0 +1,453 @@
+"""A lean HTTP/1.1 client for the proxy's upstream leg: keep-alive connections on asyncio protocols, responses parsed
+by httptools (llhttp, the parser uvicorn uses on the client side of the gateway).
+
+Why not aiohttp's client here: it was 36% of the gateway's busy CPU per proxied request at one connection (py-spy,
+``specgate bench overhead``): request and response objects, header multidicts, payload registry, tracing hooks,
+timer contexts, stream readers. The proxy needs a small part of that: POST a body of known length to a pool and
+relay the response as bytes arrive. This module does that and nothing more, and the rest of the gateway keeps
+aiohttp for the health checks and scrapes (off the hot path).
+
+Scope: HTTP/1.1 (and 1.0 responses), plain TCP or TLS; responses framed by Content-Length, chunked encoding or the
+connection's close; gzip and deflate bodies decoded (the gateway asks for ``identity``). No redirects, cookies,
+proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps (``gateway.fleet.upstream``):
+``ConnectFailed`` (no connection could be made or had), ``ConnectionBroken`` (the connection broke or the response
+was malformed) and ``TimeoutError`` (the request's total deadline passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl as ssl_mod
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+# Body bytes buffered for a reader that is not reading (a slow client): above this, stop reading the socket.
+READ_HIGH_WATER = 4 * 2**16
+# A response head larger than this (all header lines together) is refused: a pool has no reason to send one.
+MAX_HEAD_BYTES = 2**16
+
+
+class ConnectFailed(OSError):
+    """No connection to the endpoint: refused, unresolvable, connect timeout, or no free pooled one in time."""
+
+
+class ConnectionBroken(ConnectionError):
+    """The connection broke, or the response could not be parsed, before the response was complete."""
+
+
+def _encode_line(line: str) -> bytes:
+    try:
+        return line.encode("latin-1")
+    except UnicodeEncodeError:
+        return line.encode("utf-8", "replace")  # lone surrogates (undecodable environment bytes) replaced
+
+
+class H1Response:
+    """One response: status and headers once ``HostPool.request`` returns, the body as it arrives.
+
+    The body is read with ``iter_any()`` (what has arrived, as one bytes object per wait) or ``read()`` (the rest).
+    Reading is stateful: a second ``iter_any()`` continues where the first stopped. Exactly one of ``release()``
+    (the connection may be reused once the body was read to its end) or ``close()`` ends the response.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_decoder",
+        "_ended",
+        "_eof",
+        "_exc",
+        "_head",
+        "_size",
+        "_waiter",
+        "headers",
+        "raw_headers",
+        "status",
+    )  # fmt: skip
+
+    def __init__(self, conn: _Conn) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}  # lower-case names; the last value of a repeated header
+        self._conn = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._eof = False  # the body is complete
+        self._exc: BaseException | None = None
+        self._decoder: zlib._Decompress | None = None
+        self._ended = False  # released or closed
+        self._head: asyncio.Future[None] = conn.loop.create_future()  # the headers arrived, or the request failed
+
+    # ---- fed by the connection ----
+    def _feed(self, data: bytes) -> None:
+        if self._decoder is not None:
+            try:
+                data = self._decoder.decompress(data)
+            except zlib.error as exc:
+                self._fail(ConnectionBroken(f"undecodable {self.headers.get('content-encoding')} body: {exc}"))
+                self._conn.abandon()
+                return
+        if data:
+            self._chunks.append(data)
+            self._size += len(data)
+            if self._size > READ_HIGH_WATER:
+                self._conn.pause()
+            self._wake()
+
+    def _end(self) -> None:
+        if self._decoder is not None:
+            tail = self._decoder.flush()
+            if tail:
+                self._chunks.append(tail)
+                self._size += len(tail)
+            if not self._decoder.eof:
+                self._fail(ConnectionBroken(f"truncated {self.headers.get('content-encoding')} body"))
+                return
+        self._eof = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._eof or self._exc is not None:
+            return
+        self._exc = exc
+        if not self._head.done():
+            self._head.set_exception(exc)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ---- the reader's side ----
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (it may still be buffered)."""
+        return self._eof
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        self._conn.resume()
+        return data
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises ConnectionBroken or TimeoutError when the response cannot complete."""
+        while True:
+            if self._chunks:
+                yield self._take()
+                continue
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return
+            self._waiter = self._conn.loop.create_future()
+            await self._waiter
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        if self._eof and self._exc is None:  # the usual non-streaming case: it all came with the headers
+            return self._take() if self._chunks else b""
+        return b"".join([chunk async for chunk in self.iter_any()])
+
+    def release(self) -> None:
+        """Done with the response: the connection goes back to the pool if the body was read to its end."""
+        if not self._ended:
+            self._ended = True
+            self._conn.finish(reusable=self._eof and self._exc is None and not self._chunks)
+
+    def close(self) -> None:
+        """Done with the response: close the connection (vLLM aborts a generation whose client went away)."""
+        if not self._ended:
+            self._ended = True
+            self._conn.finish(reusable=False)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time. Also the httptools parser's callback object."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: H1Response | None = None
+        self.lost = False
+        self.keep_alive = False
+        self.idle_since = 0.0  # when the last response on this connection ended
+        self.abandoned = False  # we closed it: its end is not the end of a body
+        self._framed = True  # the response has a Content-Length or chunked body (else it ends at EOF)
+        self._messages = 0
+        self._in_head = False  # between message begin and headers complete (later header fields are trailers)
+        self._interim = False  # the message being parsed is a 1xx interim response
+        self._head_bytes = 0
+        self._paused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ---- asyncio.Protocol ----
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        r = self.response
+        if r is None or r._eof:  # bytes nobody asked for: this connection cannot be trusted with another request
+            self.keep_alive = False
+            self.abandon()
+            return
+        try:
+            self.parser.feed_data(data)
+        except Exception as exc:  # httptools.HttpParserError, or an error raised in a callback below
+            inner = exc.__cause__ or exc.__context__  # httptools wraps what a callback raised
+            cause = inner if isinstance(inner, ConnectionBroken) else None
+            r._fail(cause or ConnectionBroken(f"malformed response from the pool: {exc}"))
+            self.abandon()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost decides what the end means
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        r = self.response
+        if r is None or r._eof:
+            return
+        if r._head.done() and not self._framed and r._exc is None and exc is None and not self.abandoned:
+            r._end()  # a body delimited by the connection's close (no Content-Length, not chunked)
+        else:
+            why = f": {exc}" if exc else ""
+            r._fail(ConnectionBroken(f"the pool closed the connection before the response was complete{why}"))
+
+    # ---- httptools callbacks ----
+    def on_message_begin(self) -> None:
+        self._messages += 1
+        if self._messages > 1:
+            raise ConnectionBroken("more than one response to one request")
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a chunked body's trailer field: not a header of the response
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ConnectionBroken(f"response head larger than {MAX_HEAD_BYTES} bytes")
+        assert self.response is not None
+        self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        r = self.response
+        assert r is not None
+        self._in_head = False
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the real response follows
+            self._interim = True
+            r.raw_headers.clear()
+            return
+        r.status = status
+        headers = r.headers
+        for name, value in r.raw_headers:
+            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self._framed = chunked or "content-length" in headers or r.status in (204, 304) or r.status < 200
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding == "gzip" or encoding == "x-gzip":
+            r._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == "deflate":
+            r._decoder = zlib.decompressobj()
+        elif encoding not in ("identity", ""):
+            raise ConnectionBroken(f"unsupported content-encoding {encoding!r} (the gateway asks for identity)")
+        if not r._head.done():
+            r._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        assert self.response is not None
+        if self._interim:
+            self._interim = False
+            self._messages = 0
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        self.idle_since = time.monotonic()
+        self.response._end()
+
+    # ---- used by HostPool and H1Response ----
+    def start(self, response: H1Response, payload: list[bytes], deadline: float) -> None:
+        assert self.transport is not None
+        self.response = response
+        self._messages = 0
+        self._framed = True
+        self._interim = False
+        self.keep_alive = False
+        self._timer = self.loop.call_at(deadline, self._deadline_passed)
+        self.transport.writelines(payload)
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        if self.response is not None:
+            self.response._fail(TimeoutError("the pool's total timeout passed before the response was complete"))
+        self.abandon()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None and not self.lost:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.lost:
+            self._paused = False
+            self.transport.resume_reading()
+
+    @property
+    def usable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+    def abandon(self) -> None:
+        """Close the connection now, unsent bytes and all (``close()`` would wait for a peer that does not read);
+        the request's slot is given back by ``finish``."""
+        self.keep_alive = False
+        self.abandoned = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def finish(self, *, reusable: bool) -> None:
+        """The response is done with: cancel the deadline and give the connection (or its slot) back."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.response = None
+        self.resume()
+        self.pool.give_back(self, reusable and self.keep_alive and self.usable)
+
+
+class HostPool:
+    """Keep-alive connections to one endpoint (scheme, host, port, base path), at most ``limit`` at a time."""
+
+    def __init__(
+        self, url: str, *, limit: int, connect_s: float, acquire_s: float, total_s: float, keepalive_s: float
+    ) -> None:
+        parts = urlsplit(url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or (443 if self.https else 80)
+        self.base_path = parts.path.rstrip("/")
+        default_port = self.port == (443 if self.https else 80)
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        self.host_header = host if default_port else f"{host}:{self.port}"
+        self.limit = limit
+        self.connect_s = connect_s
+        self.acquire_s = acquire_s
+        self.total_s = total_s
+        self.keepalive_s = keepalive_s
+        self.loop = asyncio.get_running_loop()
+        self._slots = asyncio.Semaphore(limit)
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+        self._ssl: ssl_mod.SSLContext | None = ssl_mod.create_default_context() if self.https else None
+        self.closed = False
+
+    async def request(self, path: str, body: bytes, headers: Mapping[str, str]) -> H1Response:
+        """POST ``body`` to ``path`` and wait for the response headers.
+
+        Raises ConnectFailed, ConnectionBroken or TimeoutError. A cancelled wait closes the connection."""
+        deadline = self.loop.time() + self.total_s
+        head = self._head(path, len(body), headers)
+        conn = await self._acquire()
+        response = H1Response(conn)
+        try:
+            conn.start(response, [head, body], deadline)
+            await response._head
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    def _head(self, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+        lines = [f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.host_header}\r\ncontent-length: {length}\r\n"]
+        lines.extend([f"{k}: {v}\r\n" for k, v in headers.items()])
+        lines.append("\r\n")
+        try:
+            return "".join(lines).encode("latin-1")  # what the gateway's HTTP server decoded client headers with
+        except UnicodeEncodeError:  # one of our own values (a pool's API key): that line as UTF-8
+            return b"".join(_encode_line(line) for line in lines)
+
+    async def _acquire(self) -> _Conn:
+        if self.closed:
+            raise ConnectFailed("the client is closed")
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(self.acquire_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise ConnectFailed(f"no free connection (limit {self.limit}) within {self.acquire_s:g} s") from None
+        else:
+            await self._slots.acquire()
+        now = time.monotonic()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.usable and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abandon()
+        try:
+            return await self._connect()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def _connect(self) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Conn(self),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise ConnectFailed(f"connect timeout ({self.connect_s:g} s)") from None
+        except OSError as exc:
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+        sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._all.add(conn)
+        return conn
+
+    def give_back(self, conn: _Conn, reusable: bool) -> None:
+        if reusable and not self.closed:
+            self._idle.append(conn)
+        else:
+            conn.abandon()
+        self._slots.release()
+
+    def forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+
+    @property
+    def connections(self) -> int:
+        """Open connections, idle or busy."""
+        return len(self._all)
+
+    def close(self) -> None:
+        """Close every connection, idle or busy (busy ones fail their response with ConnectionBroken)."""
+        self.closed = True
+        self._idle.clear()
+        for conn in list(self._all):
+            if conn.response is not None:
+                conn.response._fail(ConnectionBroken("the pool's client was closed (the routing file was reloaded)"))
+            conn.abandon()

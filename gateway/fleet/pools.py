@@ -1,0 +1,135 @@
+"""Pools and endpoints at run time: weights, health, in-flight counts, and the endpoint pick.
+
+The pick is weighted power-of-two-choices: draw two routable endpoints with probability proportional to their
+weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means drained: the endpoint
+gets no new requests, and the ones it has run to completion. ``weight`` is the effective weight; the YAML's is
+``configured_weight`` (on-call overrides recompute ``weight`` from it: ``gateway.overrides.manager``).
+
+An endpoint is routable while it is healthy (its last active health check passed, and no connect failure since),
+has a weight, and is not ejected. Ejection (passive outlier detection, ``gateway.routing.attempts``) takes an endpoint
+out
+after consecutive failed attempts for base x 2^(k-1) seconds (the k-th ejection in a row, capped); it comes back
+only through a passing health check once that time is over. Times are ``time.monotonic()`` seconds, passed in.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from gateway.config.schema import Pool as PoolSpec
+
+
+@dataclass(slots=True)
+class EndpointState:
+    id: str
+    url: str
+    pool: str
+    weight: float  # effective: the YAML weight unless an on-call override (gateway.overrides.manager) sets another
+    configured_weight: float = -1.0  # the YAML's weight (< 0 when not given: then ``weight`` at creation)
+    healthy: bool = True
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    last_checked: float = 0.0
+    last_error: str | None = None
+    ejected: bool = False
+    ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
+    ejections: int = 0  # k: ejections in a row, for the growing ejection time
+    last_ejected: float | None = None  # monotonic time of the last ejection
+
+    def __post_init__(self) -> None:
+        if self.configured_weight < 0:
+            self.configured_weight = self.weight
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.weight > 0 and not self.ejected
+
+    def mark_failure(self, reason: str) -> None:
+        """A connect-level failure: out of rotation until the next successful health check."""
+        self.count_failure(reason)
+        self.healthy = False
+
+    def count_failure(self, reason: str) -> int:
+        """A failed attempt (the endpoint stays in rotation); the consecutive failures so far."""
+        self.consecutive_failures += 1
+        self.last_error = reason
+        return self.consecutive_failures
+
+    def mark_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def eject(self, now: float, base_s: float, max_s: float) -> float:
+        """Take the endpoint out of rotation; returns the ejection time, base_s x 2^(k-1) for the k-th ejection
+        in a row, at most max_s. k starts again once the last ejection has been over for max_s."""
+        if self.last_ejected is not None and now - self.ejected_until >= max_s:
+            self.ejections = 0
+        self.ejections += 1
+        duration = min(max_s, base_s * 2.0 ** min(self.ejections - 1, 62))
+        self.ejected = True
+        self.ejected_until = now + duration
+        self.last_ejected = now
+        self.consecutive_failures = 0
+        return duration
+
+    def set_health(self, healthy: bool, error: str | None = None, now: float | None = None) -> bool:
+        """The result of an active health check; True when it ended an ejection (expired, and the check passed)."""
+        now = time.monotonic() if now is None else now
+        self.healthy = healthy
+        self.last_checked = now
+        self.last_error = error
+        if not healthy:
+            return False
+        if self.ejected and now >= self.ejected_until:
+            self.ejected = False
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class PoolState:
+    name: str
+    spec: PoolSpec
+    endpoints: list[EndpointState]
+    models: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec) -> PoolState:
+        eps = [EndpointState(e.endpoint_id, e.url, spec.name, e.weight) for e in spec.endpoints]
+        return cls(spec.name, spec, eps, frozenset(spec.models))
+
+    def routable(self) -> list[EndpointState]:
+        return [e for e in self.endpoints if e.routable]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.endpoints)
+
+    def healthy_count(self) -> int:
+        return sum(1 for e in self.endpoints if e.healthy)
+
+    def pick(self, rng: random.Random, exclude: Iterable[str] = ()) -> EndpointState | None:
+        """Weighted power of two choices among routable endpoints, least in-flight per weight wins."""
+        skip = set(exclude)
+        cands = [e for e in self.endpoints if e.routable and e.id not in skip]
+        if not cands:
+            return None
+        if len(cands) == 1:
+            return cands[0]
+        weights = [e.weight for e in cands]
+        a, b = rng.choices(cands, weights=weights, k=2)
+        if a is b:
+            return a
+        return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
+
+
+@contextmanager
+def in_flight(ep: EndpointState) -> Iterator[None]:
+    ep.in_flight += 1
+    try:
+        yield
+    finally:
+        ep.in_flight -= 1

@@ -1,0 +1,386 @@
+"""The gateway's own Prometheus metrics, in a registry of its own (never the global default).
+
+Label values are bounded: class and pool names come from the routing YAML, outcomes from ``Outcome``;
+a request that never reached a class or a pool is labelled ``none``.
+
+With ``--workers N`` every worker is its own process with its own values, so ``/metrics`` (answered by whichever
+worker accepts the connection) must not render just that worker's registry. ``specgate serve`` then points
+``PROMETHEUS_MULTIPROC_DIR`` at a private directory before the workers start; prometheus_client, imported by each
+fresh worker with that variable set, keeps every value in a per-process file there, and each worker's
+``/metrics`` renders the merge of all the files (``MultiProcessCollector``), so every worker answers the same
+totals. Counters and histograms are summed, dead workers included (totals never go down while the gateway runs);
+the gauges say how to merge them (``multiprocess_mode``) and forget workers that are gone: a worker that exits
+normally removes its gauge files in its lifespan shutdown (``worker_exited``), and every scrape removes those of
+workers that died without one (killed, crashed). Single-process mode renders its own registry, as always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+from collections import deque
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from gateway.observability.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
+
+Outcome = Literal[
+    "ok",  # 2xx, stream completed with [DONE]
+    "client_error",  # 4xx decided by the gateway or relayed from the pool
+    "upstream_error",  # 5xx relayed from the pool, or the pool failed before the commit point
+    "no_capacity",  # 503 from the gateway: no pool could take it
+    "stream_error",  # the stream broke after the commit point; ended with an error event
+    "client_disconnect",  # the client went away; upstream cancelled
+    "gateway_error",  # a bug: 500 from the gateway itself
+]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class LatencyWindow:
+    """The last ``size`` latencies with their (monotonic) times; quantiles over a time window, exact (not bucketed:
+    the latency guard compares with a baseline within a few per cent, finer than the histogram's buckets)."""
+
+    __slots__ = ("_samples",)
+
+    def __init__(self, size: int = 2048) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def add(self, at: float, seconds: float) -> None:
+        self._samples.append((at, seconds))
+
+    def quantile(self, q: float, since: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the samples taken at or after ``since``; None without one."""
+        values = sorted(v for t, v in self._samples if t >= since)
+        if not values:
+            return None
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "specgate_requests_total",
+            "Requests by traffic class, pool and outcome.",
+            ["class", "pool", "outcome"],
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specgate_request_duration_seconds",
+            "End-to-end request duration seen by the gateway (arrival to last byte sent).",
+            ["class", "pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specgate_time_to_first_token_seconds",
+            "Streams: arrival to the first event sent to the client.",
+            ["class", "pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "specgate_gateway_overhead_seconds",
+            "Time spent in the gateway itself, excluding waiting for the upstream.",
+            ["class"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        # multiprocess_mode only matters with several workers (ignored otherwise). In flight: the sum over the
+        # live workers. Endpoint health: each worker runs its own checks, so the merge is the highest value over
+        # the live workers (1 while any worker's last check passed; 0 once every worker's last check failed, i.e.
+        # within one check interval of the endpoint going down). "liveall" would add a ``pid`` label, one series
+        # per worker that changes on every worker restart; plain "max" would keep a dead worker's last 1 forever.
+        self.in_flight = Gauge(
+            "specgate_in_flight_requests",
+            "Requests in flight to each pool.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.endpoint_up = Gauge(
+            "specgate_endpoint_healthy",
+            "1 when the endpoint's last health check passed.",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.health_checks = Counter(
+            "specgate_health_checks_total",
+            "Active health checks by result.",
+            ["pool", "result"],
+            registry=r,
+        )
+        # The attempt loop (gateway.proxy.forward, gateway.routing.attempts): every upstream attempt, every move
+        # to another pool, and passive outlier ejection (1 while the endpoint is ejected in any live worker).
+        self.upstream_attempts = Counter(
+            "specgate_upstream_attempts",
+            "Upstream attempts by pool and result (ok, status_4xx, status_429, status_5xx, connect_error, timeout, "
+            "stream_error_before_first_chunk; budget_exhausted: a retry the retry budget refused, not sent).",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "specgate_fallbacks",
+            "Retries on another pool before the commit point, by the failed attempt's result.",
+            ["class", "from_pool", "to_pool", "reason"],
+            registry=r,
+        )
+        self.endpoint_ejected = Gauge(
+            "specgate_endpoint_ejected",
+            "1 while the endpoint is ejected by passive outlier detection.",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.endpoint_ejections = Counter(
+            "specgate_endpoint_ejections",
+            "Ejections of the endpoint by passive outlier detection.",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.idempotency = Counter(
+            "specgate_idempotency_total",
+            "Idempotency-Key handling by result (gateway.proxy.idempotency.Result).",
+            ["result"],
+            registry=r,
+        )
+
+        # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._in_flight: dict[str, Any] = {}
+        self._attempts: dict[tuple[str, str], Any] = {}
+        # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
+        self.shared_dir: str | None = None
+
+        # Scraped pool state (gateway.fleet.scraper). Every worker scrapes for itself, so the merge takes the most
+        # recent value of a live worker. Unknown (stale, no drafts in the window) is NaN, never 0.
+        self.pool_acceptance = Gauge(
+            "specgate_pool_acceptance_ratio",
+            "Draft acceptance rate of the pool over the scrape window (accepted / draft tokens); NaN when unknown.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_queue_depth = Gauge(
+            "specgate_pool_queue_depth",
+            "Waiting requests in the pool (scraped vllm:num_requests_waiting, summed); NaN when stale.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_batch_size = Gauge(
+            "specgate_pool_batch_size",
+            "Running requests in the pool (scraped vllm:num_requests_running, summed); NaN when stale.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.endpoint_scrape_stale = Gauge(
+            "specgate_endpoint_scrape_stale",
+            "1 when the endpoint's scraped data is stale (last scrape failed or too old).",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.scrapes = Counter(
+            "specgate_scrapes_total",
+            "Scrapes of the endpoints' /metrics by result (ok, timeout, error, bad_status, malformed).",
+            ["pool", "result"],
+            registry=r,
+        )
+
+        # Per-class acceptance from the responses of speculative pools (gateway.observability.acceptance): a sliding
+        # window of
+        # each class's recent requests in this process, pooled from the counts; NaN until a request drafted.
+        self.class_acceptance = Gauge(
+            "specgate_class_acceptance_ratio",
+            "Draft acceptance rate of the class over its recent requests (accepted / draft tokens); NaN when none.",
+            ["class"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.class_acceptance_length = Gauge(
+            "specgate_class_mean_acceptance_length",
+            "Mean acceptance length of the class over its recent requests (1 + accepted / steps); NaN when none.",
+            ["class"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.class_acceptance_requests = Histogram(
+            "specgate_class_acceptance",
+            "Per-request draft acceptance rate (accepted / draft tokens) by class and temperature band.",
+            ["class", "temperature_band"],
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.class_draft_tokens = Counter(
+            "specgate_class_draft_tokens",
+            "Draft tokens of the class's requests, as their speculative pool reported them.",
+            ["class"],
+            registry=r,
+        )
+        self.class_accepted_tokens = Counter(
+            "specgate_class_accepted_draft_tokens",
+            "Accepted draft tokens of the class's requests, as their speculative pool reported them.",
+            ["class"],
+            registry=r,
+        )
+        self.class_windows: dict[str, AcceptanceWindow] = {}
+        # The routing YAML (gateway.runtime.reload): the config in force, and every reload attempt by result.
+        self.config_info = Gauge(
+            "specgate_config_info",
+            "1 for the routing YAML in force (version: its `version` field; hash: sha256 prefix of its text).",
+            ["version", "hash"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.config_reloads = Counter(
+            "specgate_config_reload_total",
+            "Reloads of the routing YAML by result (ok, unchanged, invalid, error).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "unchanged", "invalid", "error"):
+            self.config_reloads.labels(result)
+        self._config_labels: tuple[str, str] | None = None
+        self.latency_windows: dict[tuple[str, str], LatencyWindow] = {}  # (class, pool): successful requests' E2E
+
+    def set_config(self, version: str, digest: str) -> None:
+        """``specgate_config_info``: 1 for this config; the previous label set is removed (0 first, for the
+        multiprocess files, which keep a removed child's last value)."""
+        labels = (version, digest)
+        previous, self._config_labels = self._config_labels, labels
+        if previous is not None and previous != labels:
+            self.config_info.labels(*previous).set(0)
+            self.config_info.remove(*previous)
+        self.config_info.labels(*labels).set(1)
+
+    def share_across_workers(self, path: str) -> None:
+        """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""
+        self.shared_dir = path
+
+    def worker_exited(self) -> None:
+        """Lifespan shutdown of a worker: its gauges stop counting (its counters and histograms stay)."""
+        if self.shared_dir is not None:
+            _forget_process(os.getpid(), self.shared_dir)
+
+    def pool_in_flight(self, pool: str) -> Any:
+        """The ``in_flight`` child of ``pool``, looked up once (the attempt loop moves it twice per request)."""
+        child = self._in_flight.get(pool)
+        if child is None:
+            child = self._in_flight[pool] = self.in_flight.labels(pool)
+        return child
+
+    def attempt_done(self, pool: str, result: str) -> None:
+        """Count one upstream attempt (``upstream_attempts``), its child looked up once per label set."""
+        key = (pool, result)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = self.upstream_attempts.labels(pool, result)
+        child.inc()
+
+    def observe_request(
+        self, cls: str, pool: str, outcome: Outcome, e2e_s: float, ttft_s: float | None, overhead_s: float | None
+    ) -> None:
+        key = (cls, pool, outcome)
+        children = self._children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(cls, pool, outcome),
+                self.e2e.labels(cls, pool),
+                self.ttft.labels(cls, pool),
+                self.overhead.labels(cls),
+            )
+            self._children[key] = children
+        count, e2e, ttft, overhead = children
+        count.inc()
+        e2e.observe(e2e_s)
+        if outcome == "ok":
+            window = self.latency_windows.get((cls, pool))
+            if window is None:
+                window = self.latency_windows[(cls, pool)] = LatencyWindow()
+            window.add(time.monotonic(), e2e_s)
+        if ttft_s is not None:
+            ttft.observe(ttft_s)
+        if overhead_s is not None:
+            overhead.observe(overhead_s)
+
+    def latency_p95(self, cls: str, pool: str, since: float) -> float | None:
+        """p95 end-to-end latency of the class's successful requests on the pool since ``since`` (monotonic)."""
+        window = self.latency_windows.get((cls, pool))
+        return None if window is None else window.quantile(0.95, since)
+
+    def observe_acceptance(self, cls: str, band: str, sample: SpecSample) -> None:
+        """One request's spec-decode metrics: the class's window, its gauges, the histogram and the counters."""
+        window = self.class_windows.get(cls)
+        if window is None:
+            window = self.class_windows[cls] = AcceptanceWindow()
+        window.add(sample)
+        self.class_acceptance.labels(cls).set(window.ratio)
+        self.class_acceptance_length.labels(cls).set(window.mean_acceptance_length)
+        self.class_draft_tokens.labels(cls).inc(sample.drafted)
+        self.class_accepted_tokens.labels(cls).inc(sample.accepted)
+        rate = sample.rate
+        if rate is not None:
+            self.class_acceptance_requests.labels(cls, band).observe(rate)
+
+    def render(self) -> bytes:
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        forget_dead_processes(self.shared_dir)
+        merged = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(merged, path=self.shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+
+
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when this process's metric values are kept there, else None.
+
+    prometheus_client chooses where values live once, when it is imported: a variable set later (or a process
+    that imported it before) still keeps them in memory, where no other worker can see them.
+    """
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path or values.ValueClass is values.MutexValue or not os.path.isdir(path):
+        return None
+    return path
+
+
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
+
+
+def forget_dead_processes(path: str) -> None:
+    """Remove the live-gauge files of processes that no longer exist (a worker killed without a shutdown)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    pids = {int(m.group(1)) for m in map(_LIVE_GAUGE_FILE.fullmatch, names) if m is not None}
+    for pid in pids:
+        if pid > 0 and not _process_exists(pid):
+            _forget_process(pid, path)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, and belongs to someone else
+        return True
+    return True
+
+
+def _forget_process(pid: int, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # another worker's scrape got there first
+        mark_process_dead(pid, path)  # type: ignore[no-untyped-call]

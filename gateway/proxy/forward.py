@@ -1,0 +1,499 @@
+"""Forwarding: the attempt loop, the commit point, and the relay of the upstream response.
+
+``ProxyResponse`` is the ASGI app a handler returns once the request is classified and planned. It runs the
+attempts and the relay while watching for the client's disconnect, so that a client that goes away cancels
+the upstream request at once, whether the gateway was waiting for headers, the first token, or relaying.
+
+The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
+for a retryable reason (connect error, timeout or no first event within the TTFT deadline, 429/5xx, an error
+event or a broken connection before the first event; ``gateway.routing.attempts``) moves on to the next candidate,
+within
+``max_attempts`` and the process's retry budget. After it nothing is ever re-sent: a stream that breaks ends with
+an explicit error event and ``[DONE]``.
+
+Responses of speculative pools are read for their per-request spec-decode metrics (``gateway.proxy.stream_tap``): a
+stream sent to such a pool asks for the usage chunk that carries them, which is stripped again when the client
+did not ask for it itself. Responses of standard pools are relayed without a look.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.config.schema import Defaults
+from gateway.errors import GatewayError, NoCapacity, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.fleet.upstream import PoolClient, UpstreamResponse
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics, Outcome
+from gateway.proxy.headers import client_response_headers, upstream_request_headers
+from gateway.proxy.idempotency import KeyClaim
+from gateway.proxy.record import RequestRecord
+from gateway.proxy.stream_tap import StreamTap, sample_from_body, with_include_usage
+from gateway.proxy.wire import (
+    JSON_CONTENT_TYPE,
+    SSE_CONTENT_TYPE,
+    SSEOverflow,
+    SSESplitter,
+    error_bytes,
+    is_done_event,
+    is_error_event,
+    normalise_error,
+    sse_error,
+)
+from gateway.routing.attempts import (
+    CREDENTIAL_STATUS,
+    RETRYABLE_STATUS,
+    AttemptFailure,
+    AttemptPolicy,
+    BudgetLease,
+    PoolStatusError,
+    StreamStartError,
+    candidates,
+    describe_status,
+    exhausted,
+    failure_result,
+    status_result,
+)
+from gateway.routing.plan import Plan
+
+logger = logging.getLogger("specgate.forward")
+
+# How long a request runs before the gateway starts watching for its client's disconnect (ProxyResponse.__call__):
+# the upper bound on how late a disconnect cancels the upstream request.
+WATCH_AFTER_S = 0.05
+
+
+@dataclass(slots=True)
+class ProxyJob:
+    path: str
+    body: bytes
+    client_headers: list[tuple[str, str]]
+    stream: bool
+    plan: Plan
+    max_attempts: int
+    record: RequestRecord
+    extra_headers: list[tuple[str, str]]
+    parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
+    idempotency: KeyClaim | None = None  # the request's claim on its Idempotency-Key (records what is sent)
+
+
+@dataclass(slots=True)
+class _Opened:
+    """A successful attempt: headers received, and for a stream its first event."""
+
+    pool: PoolState
+    endpoint: EndpointState
+    response: UpstreamResponse
+    first_events: list[bytes] | None
+    splitter: SSESplitter | None
+    buffered_body: bytes | None
+    tap: StreamTap | None = None  # streams from a speculative pool
+    model: str | None = None  # the model asked for instead of the requested one (route.fallback_model)
+
+
+class ProxyResponse(Response):
+    """An ASGI response that runs the attempts and the relay itself (no body of its own)."""
+
+    def __init__(
+        self,
+        job: ProxyJob,
+        pools: Mapping[str, PoolState],
+        clients: Mapping[str, PoolClient],
+        metrics: GatewayMetrics,
+        access_log: AccessLog,
+        rng: random.Random,
+        policy: AttemptPolicy | None = None,
+    ) -> None:
+        self.job = job
+        if policy is None:  # a private budget (tests); the gateway passes its process-wide one
+            defaults = Defaults()
+            policy = AttemptPolicy(lambda: defaults, metrics)
+        self.policy = policy
+        self.pools = pools
+        self.clients = clients
+        self.metrics = metrics
+        self.access_log = access_log
+        self.rng = rng
+        self.outcome: Outcome = "ok"
+        self.committed = False
+        self._opened: _Opened | None = None
+        self._client_gone = False
+        self._last_send = False  # from here on, a disconnect is the normal end of the exchange
+        self._tap: StreamTap | None = None
+        self._usage_body: bytes | None = None  # the body with stream_options.include_usage, once built
+        self._usage_body_built = False
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The work runs in this task; a small watcher cancels it when the client goes away.
+        task = asyncio.current_task()
+        assert task is not None
+        claim = self.job.idempotency
+        if claim is not None:  # record what the client gets, to store it for replays
+            send = claim.recording(send, lambda: self._client_gone)
+            claim.start_renewal()
+        # The watcher starts only once the request has run for WATCH_AFTER_S: most requests to a fast upstream are
+        # answered before, and a timer costs a tenth of a task. A disconnect before it starts is still seen at once
+        # when it starts (the server's receive() answers http.disconnect for a client already gone).
+        start = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch, receive, task)
+        try:
+            await self._run(send)
+        except asyncio.CancelledError:
+            if not self._client_gone or claim is not None:  # a keyed request is never cancelled for its client
+                raise
+            task.uncancel()
+        except Exception:
+            # A bug, not an upstream failure: say so in the metrics, and never end a stream cleanly on it.
+            self.outcome = "gateway_error"
+            self.job.record.error = "internal error in the gateway"
+            if not self.committed:
+                raise  # the app's exception handler answers 500 with an envelope
+            if not self._last_send:
+                self._last_send = True
+                with contextlib.suppress(Exception):
+                    body = sse_error("internal error in the gateway", type_="internal_error", code="internal_error")
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+            logger.exception("error after the commit point of %s", self.job.record.request_id)
+        finally:
+            start.cancel()
+            if self._watcher is not None:
+                self._watcher.cancel()
+            stored = None
+            try:
+                if self._tap is not None and self._tap.sample is not None:
+                    self.job.record.spec = self._tap.sample
+                self._cleanup()
+                if claim is not None:
+                    self.job.record.idempotency, stored = claim.outcome()
+                self.job.record.finish(self.outcome, self.metrics, self.access_log)
+            finally:
+                if claim is not None:  # after the last byte went out: the client does not wait for it
+                    await claim.settle(stored)
+
+    def _start_watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if self._last_send:
+                    return
+                self._client_gone = True
+                self.outcome = "client_disconnect"
+                if self.job.idempotency is None:
+                    task.cancel()
+                # A keyed request runs on to its end (bounded by the pool's total_s): its response is stored, and
+                # the client's retry with the same key gets the whole answer instead of a second generation.
+                return
+
+    # --- the attempt loop -------------------------------------------------------------------------------
+
+    async def _run(self, send: Send) -> None:
+        rec = self.job.record
+        try:
+            opened = await self._open()
+        except GatewayError as exc:
+            rec.error = exc.message
+            self.outcome = "no_capacity" if isinstance(exc, NoCapacity) else "upstream_error"
+            await self._send_error(send, exc)
+            return
+        self._opened = opened
+        rec.pool, rec.endpoint = opened.pool.name, opened.endpoint.id
+        if opened.first_events is not None:
+            await self._relay_stream(send, opened)
+        else:
+            await self._send_buffered(send, opened)
+
+    async def _open(self) -> _Opened:
+        """The attempt loop up to the commit point. The request holds a retry-budget lease from its first attempt
+        until its upstream response is closed (``_cleanup``); every retry it was granted counts as long."""
+        lease = self.policy.budget.lease()
+        try:
+            opened = await self._attempts(lease)
+        except BaseException:
+            lease.close()
+            raise
+        opened.response.on_close = lease.close
+        return opened
+
+    async def _attempts(self, lease: BudgetLease) -> _Opened:
+        job, rec, metrics = self.job, self.job.record, self.metrics
+        failures: list[AttemptFailure] = []
+        for n, (pool, ep) in enumerate(candidates(job.plan, self.pools, self.rng)):
+            if n >= job.max_attempts:
+                break
+            if failures:
+                last = failures[-1]
+                if not lease.try_retry():
+                    metrics.attempt_done(pool.name, "budget_exhausted")
+                    raise exhausted(failures, budget_refused=True)
+                if last.pool != pool.name:
+                    metrics.fallbacks.labels(rec.traffic_class, last.pool, pool.name, last.result).inc()
+            client = self.clients[pool.name]
+            headers = upstream_request_headers(job.client_headers, request_id=rec.request_id, api_key=client.api_key)
+            started = time.perf_counter()
+            if rec.upstream_start is None:
+                rec.upstream_start = started
+            ep.in_flight += 1
+            metrics.pool_in_flight(pool.name).inc()
+            opened: _Opened | None = None
+            try:
+                opened = await self._attempt(pool, ep, client, headers)
+            except UpstreamError as exc:
+                result = failure_result(exc)
+                status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
+                rec.attempt(pool.name, ep.id, started, status, exc.message)
+                metrics.attempt_done(pool.name, result)
+                failures.append(AttemptFailure(pool.name, ep.id, exc, result))
+                self.policy.failed(ep, exc, self.pools.values())
+                continue
+            finally:
+                if opened is None:
+                    ep.in_flight -= 1
+                    metrics.pool_in_flight(pool.name).dec()
+            status = opened.response.status
+            rec.attempt(pool.name, ep.id, started, status, None)
+            metrics.attempt_done(pool.name, status_result(status))
+            self.policy.answered(ep, status, self.pools.values())
+            return opened
+        raise exhausted(failures)
+
+    async def _attempt(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
+        """One attempt up to the commit point: headers, and for a stream its first whole event.
+
+        A stream must show its first event within the class's ``route.ttft_deadline_s``, else the pool's
+        ``first_byte_s`` (vLLM answers 200 at once and then nothing until the first token); a non-streaming
+        answer arrives whole when generation is done, so only ``total_s`` bounds it.
+        """
+        if not self.job.stream:
+            return await self._attempt_buffered(pool, ep, client, headers)
+        deadline = self.job.plan.ttft_deadline_s or client.first_byte_s
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._attempt_stream(pool, ep, client, headers)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no first event from {ep.id} within {deadline:g}s") from exc
+
+    async def _attempt_buffered(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
+        job, rec = self.job, self.job.record
+        body, model, _ = self._request_body(pool)
+        resp = await client.post(ep, job.path, body, headers)
+        try:
+            await self._check_status(pool, resp)
+            body = await resp.read()
+            rec.upstream_first = rec.upstream_done = time.perf_counter()
+            resp.release()
+            return _Opened(pool, ep, resp, None, None, body, model=model)
+        except BaseException:
+            resp.abort()
+            raise
+
+    async def _attempt_stream(
+        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
+    ) -> _Opened:
+        job, rec = self.job, self.job.record
+        body, model, strip = self._request_body(pool)
+        resp = await client.post(ep, job.path, body, headers)
+        try:
+            await self._check_status(pool, resp)
+            if resp.status != 200:  # an error answer: relayed whole, with its status
+                body = await resp.read()
+                rec.upstream_first = rec.upstream_done = time.perf_counter()
+                resp.release()
+                return _Opened(pool, ep, resp, None, None, body, model=model)
+            if not resp.is_event_stream:
+                body = await resp.read()
+                raise StreamStartError(
+                    f"a stream was asked for, the pool answered {resp.content_type!r}: {body[:100]!r}"
+                )
+            splitter = SSESplitter()
+            try:
+                async for chunk in resp.chunks():
+                    events = splitter.feed(chunk)
+                    if not events:
+                        continue
+                    if is_error_event(events[0]):
+                        raise StreamStartError(f"error event before the first token: {events[0][:200]!r}")
+                    rec.upstream_first = time.perf_counter()
+                    tap = StreamTap(strip) if pool.spec.kind == "speculative" else None
+                    return _Opened(pool, ep, resp, events, splitter, None, tap, model)
+            except SSEOverflow as exc:
+                raise StreamStartError(str(exc)) from exc
+            except (UpstreamConnectError, UpstreamTimeout) as exc:
+                if isinstance(exc, StreamStartError):
+                    raise
+                raise StreamStartError(f"before the first event: {exc.message}") from exc
+            raise StreamStartError("upstream closed the stream before the first event")
+        except BaseException:
+            resp.abort()
+            raise
+
+    def _request_body(self, pool: PoolState) -> tuple[bytes, str | None, bool]:
+        """The body of an attempt on ``pool``; the model it asks for when not the requested one (the class's
+        ``route.fallback_model``); whether the gateway added the usage chunk to a stream (to strip it again)."""
+        job = self.job
+        model = job.plan.model_for(pool.name)
+        usage = job.stream and pool.spec.kind == "speculative"
+        if model is not None:
+            parsed = {**(job.parsed if job.parsed is not None else orjson.loads(job.body)), "model": model}
+            with_usage = with_include_usage(parsed) if usage else None
+            return (orjson.dumps(parsed) if with_usage is None else with_usage), model, with_usage is not None
+        if not usage or job.parsed is None:
+            return job.body, None, False
+        if not self._usage_body_built:
+            self._usage_body_built = True
+            self._usage_body = with_include_usage(job.parsed)
+        if self._usage_body is None:
+            return job.body, None, False
+        return self._usage_body, None, True
+
+    @staticmethod
+    async def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
+        """Statuses that another pool may answer better are attempt failures, not answers
+        (``gateway.routing.attempts``).
+        401/403 from a pool: the client's key never reaches a pool, so it is the gateway's pool key being refused
+        (a config error another pool may not have), never the client's."""
+        if resp.status in CREDENTIAL_STATUS:
+            logger.error(
+                "pool %s refused the gateway's credentials (HTTP %d): check api_key_env", pool.name, resp.status
+            )
+            raise PoolStatusError(
+                resp.status, f"pool {pool.name} refused the gateway's credentials (HTTP {resp.status})"
+            )
+        if resp.status in RETRYABLE_STATUS:
+            try:
+                async with asyncio.timeout(0.5):  # the error body is small; a pool that stalls on it is not waited for
+                    raw = await resp.read()
+            except (UpstreamError, TimeoutError):
+                raw = b""
+            raise PoolStatusError(resp.status, describe_status(resp.status, raw))
+
+    # --- sending --------------------------------------------------------------------------------------
+
+    def _response_headers(
+        self, content_type: str, upstream: list[tuple[bytes, bytes]] | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        """Upstream headers as raw bytes (never decoded and re-encoded), then ours."""
+        out = [(k, v) for k, v in upstream if k != b"content-type"] if upstream else []
+        pairs = [("content-type", content_type), *self.job.extra_headers]
+        opened = self._opened
+        if opened is not None:
+            pairs.append(("x-specgate-pool", opened.pool.name))
+            pairs.append(("x-specgate-endpoint", opened.endpoint.id))
+            if opened.model is not None:
+                pairs.append(("x-specgate-model", opened.model))
+        pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
+        out += [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs]
+        return out
+
+    async def _send_error(self, send: Send, exc: GatewayError) -> None:
+        body = error_bytes(exc)
+        headers = self._response_headers(JSON_CONTENT_TYPE) + [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+        headers.append((b"content-length", str(len(body)).encode()))
+        self.job.record.status = exc.status
+        await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+        self.committed = True
+        self._last_send = True
+        await send({"type": "http.response.body", "body": body})
+
+    async def _send_buffered(self, send: Send, opened: _Opened) -> None:
+        resp, rec = opened.response, self.job.record
+        body = opened.buffered_body or b""
+        ctype = (resp.content_type or JSON_CONTENT_TYPE).encode("latin-1", "replace").decode("latin-1")
+        if resp.status >= 400:
+            body = normalise_error(resp.status, body)
+            ctype = JSON_CONTENT_TYPE
+            self.outcome = "client_error" if resp.status < 500 else "upstream_error"
+        rec.status = resp.status
+        headers = self._response_headers(ctype, client_response_headers(resp.raw_headers))
+        headers.append((b"content-length", str(len(body)).encode()))
+        if self.job.idempotency is not None and resp.status < 500:
+            self.job.idempotency.generated = True  # an answer the client may act on: stored for replays
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        self.committed = True
+        self._last_send = True
+        await send({"type": "http.response.body", "body": body})
+        if resp.status == 200 and opened.pool.spec.kind == "speculative":
+            rec.spec = sample_from_body(body)
+
+    async def _relay_stream(self, send: Send, opened: _Opened) -> None:
+        resp, rec = opened.response, self.job.record
+        assert opened.first_events is not None
+        assert opened.splitter is not None
+        rec.status = resp.status
+        self._tap = opened.tap
+        headers = self._response_headers(SSE_CONTENT_TYPE, client_response_headers(resp.raw_headers))
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        self.committed = True
+        if self.job.idempotency is not None:
+            self.job.idempotency.generated = True  # from here on a retry must replay, never generate again
+        done = await self._send_events(send, opened.first_events)
+        rec.first_sent = time.perf_counter()
+        try:
+            if not done:
+                async for chunk in resp.chunks():
+                    if await self._send_events(send, opened.splitter.feed(chunk)):
+                        done = True
+                        break
+        except UpstreamError as exc:
+            rec.error = exc.message
+        except SSEOverflow as exc:
+            rec.error = str(exc)
+        if not done:
+            rec.error = rec.error or "upstream closed the stream without [DONE]"
+            self.outcome = "stream_error"
+            held = b"".join(opened.tap.flush()) if opened.tap is not None else b""
+            await send({"type": "http.response.body", "body": held + sse_error(rec.error), "more_body": True})
+        self._last_send = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if done:
+            await resp.finish(timeout_s=1.0)  # read the body's end, so the connection can be reused
+
+    async def _send_events(self, send: Send, events: list[bytes]) -> bool:
+        """Relay the whole events of one upstream read, at once and unchanged; True once [DONE] went out.
+
+        Nothing is held back: a partial event stays in the splitter only until its end arrives.
+        """
+        done = False
+        for i, event in enumerate(events):
+            if is_done_event(event):
+                events = events[: i + 1]
+                done = True
+                break
+            if is_error_event(event):
+                self.outcome = "stream_error"
+                self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
+        if self._tap is not None:
+            events = self._tap.feed(events)
+        if events:
+            body = events[0] if len(events) == 1 else b"".join(events)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        return done
+
+    def _cleanup(self) -> None:
+        opened = self._opened
+        if opened is None:
+            return
+        self._opened = None
+        # After [DONE] or a full body the connection was released; in every other case closing it aborts
+        # the generation upstream (vLLM aborts a request whose client went away).
+        opened.response.abort()
+        opened.endpoint.in_flight -= 1
+        self.metrics.pool_in_flight(opened.pool.name).dec()

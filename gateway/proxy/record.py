@@ -1,0 +1,110 @@
+"""What the gateway remembers of one request: timestamps, decision, attempts; finished exactly once.
+
+``finish`` observes the metrics and writes the one JSON log line of the request.
+Overhead is the time spent in the gateway itself: from arrival until the first upstream request left, plus
+(non-streaming) from the upstream body's last byte until the response was handed to the server, or
+(streaming) from the first upstream event until it was handed to the server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.observability.acceptance import SpecSample
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics, Outcome
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    pool: str
+    endpoint: str
+    status: int | None
+    error: str | None
+    duration_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "pool": self.pool,
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "error": self.error,
+            "duration_ms": round(self.duration_s * 1000, 3),
+        }
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    path: str
+    arrived: float = field(default_factory=time.perf_counter)
+    traffic_class: str = "none"
+    task_type: str | None = None
+    route_reason: str | None = None
+    stream: bool = False
+    pool: str = "none"
+    endpoint: str | None = None
+    status: int = 0
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    upstream_start: float | None = None
+    upstream_first: float | None = None  # headers (non-stream) or first event (stream) received
+    upstream_done: float | None = None  # non-stream: body read
+    first_sent: float | None = None
+    error: str | None = None
+    temperature_band: str = "unset"  # gateway.observability.acceptance.temperature_band of the client's temperature
+    spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
+    idempotency: str | None = None  # gateway.proxy.idempotency.Result, for requests with an Idempotency-Key
+    _finished: bool = False
+
+    def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
+        self.attempts.append(AttemptRecord(pool, endpoint, status, error, time.perf_counter() - started))
+
+    def overhead_s(self, end: float) -> float | None:
+        if self.upstream_start is None:
+            return None
+        before = self.upstream_start - self.arrived
+        if self.stream and self.upstream_first is not None and self.first_sent is not None:
+            return before + max(0.0, self.first_sent - self.upstream_first)
+        if self.upstream_done is not None:
+            return before + max(0.0, end - self.upstream_done)
+        return before
+
+    def finish(self, outcome: Outcome, metrics: GatewayMetrics, access_log: AccessLog) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        end = time.perf_counter()
+        e2e = end - self.arrived
+        cls, pool = self.traffic_class, self.pool
+        ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
+        overhead = self.overhead_s(end)
+        metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
+        spec = self.spec
+        if spec is not None:
+            metrics.observe_acceptance(cls, self.temperature_band, spec)
+        if access_log.enabled:
+            line = {
+                "event": "request",
+                "request_id": self.request_id,
+                "path": self.path,
+                "class": cls,
+                "task_type": self.task_type,
+                "route_reason": self.route_reason,
+                "pool": pool,
+                "endpoint": self.endpoint,
+                "stream": self.stream,
+                "status": self.status,
+                "outcome": outcome,
+                "duration_ms": round(e2e * 1000, 3),
+                "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
+                "overhead_ms": None if overhead is None else round(overhead * 1000, 3),
+                "attempts": [a.as_dict() for a in self.attempts],
+                "accepted": None if spec is None else spec.accepted,
+                "drafted": None if spec is None else spec.drafted,
+            }
+            if self.error:
+                line["error"] = self.error
+            if self.idempotency is not None:
+                line["idempotency"] = self.idempotency
+            access_log.write(line)

@@ -1,0 +1,298 @@
+"""The attempt policy of the forwarding loop (``gateway.proxy.forward``): the order of the attempts, which failures are
+retryable and how they are labelled, the process-wide retry budget, passive outlier ejection, and the 503 of an
+exhausted request.
+
+Retryable before the commit point (another pool may do better): connect errors and timeouts, 429, 500/502/503/504,
+no first event within the TTFT deadline, an error or a broken connection before the first event, and a pool
+refusing the gateway's own credentials (401/403: the client's key never reaches a pool, so this says the YAML's
+``api_key_env`` is wrong for that pool, not that the client is; another pool may still answer). Everything else
+the pool answers (400/404/413/422, …) is the answer: the same request would fail the same way anywhere.
+
+The retry budget (Envoy's): retries in progress may not exceed ``ratio`` x requests in progress, with a floor of
+``min_retries``, so a failing pool cannot double the load on the healthy one. A request holds its lease from its
+first attempt until its upstream response is closed; a retry holds a slot for as long.
+
+Outlier ejection: ``consecutive_failures`` failed attempts in a row (429 excluded: it is back-pressure, not a
+broken endpoint) eject the endpoint for base x 2^(k-1) s (``EndpointState.eject``), unless that would leave a
+model of its pool without any routable endpoint; a health check brings it back once the time is over.
+
+All state here is per process (as the in-flight counts are): with ``--workers N`` each worker has its own budget
+and its own view of ejections.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+
+from gateway.config.schema import Defaults, OutlierDetection
+from gateway.config.schema import RetryBudget as RetryBudgetSpec
+from gateway.errors import NoCapacity, UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.plan import Plan
+
+logger = logging.getLogger("specgate.attempts")
+
+AttemptResult = Literal[
+    "ok",  # a 2xx answer (for a stream: its first event)
+    "status_4xx",  # a 4xx answer passed through, or the pool refusing the gateway's credentials (retried)
+    "status_429",
+    "status_5xx",
+    "connect_error",  # connect refused / timed out, or the connection broke before the response
+    "timeout",  # no response (or, for a stream, no first event) in time
+    "stream_error_before_first_chunk",  # a 200 stream that failed before its first event
+    "budget_exhausted",  # a retry the retry budget refused (not sent)
+]
+
+# Statuses after which another pool may be tried (before the commit point): overload and server errors.
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+CREDENTIAL_STATUS = frozenset({401, 403})
+
+
+class PoolStatusError(UpstreamError):
+    """The pool answered a status that is an attempt failure, not an answer (see ``RETRYABLE_STATUS``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.upstream_status = status
+
+    @property
+    def permanent(self) -> bool:
+        """A retry by the client cannot help either (the gateway's credentials for the pool are wrong)."""
+        return self.upstream_status in CREDENTIAL_STATUS
+
+
+class StreamStartError(UpstreamConnectError):
+    """A 200 event stream that failed before its first event (error event, broken connection, not SSE)."""
+
+
+def status_result(status: int) -> AttemptResult:
+    if status < 400:
+        return "ok"
+    if status == 429:
+        return "status_429"
+    return "status_4xx" if status < 500 else "status_5xx"
+
+
+def failure_result(exc: UpstreamError) -> AttemptResult:
+    if isinstance(exc, PoolStatusError):
+        return status_result(exc.upstream_status)
+    if isinstance(exc, StreamStartError):
+        return "stream_error_before_first_chunk"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    if isinstance(exc, UpstreamConnectError):
+        return "connect_error"
+    return "stream_error_before_first_chunk"  # a stream's protocol error raised as a plain UpstreamError
+
+
+# --- the order of attempts
+
+
+def candidates(
+    plan: Plan, pools: Mapping[str, PoolState], rng: random.Random
+) -> Iterator[tuple[PoolState, EndpointState]]:
+    """Pools in plan order, one endpoint each, then round again with endpoints not yet tried."""
+    tried: set[str] = set()
+    while True:
+        progressed = False
+        for name in plan.pools:
+            pool = pools.get(name)
+            if pool is None:
+                continue
+            ep = pool.pick(rng, exclude=tried)
+            if ep is None:
+                continue
+            tried.add(ep.id)
+            progressed = True
+            yield pool, ep
+        if not progressed:
+            return
+
+
+# --- the retry budget --------------------------------------------------------------------------------------
+
+
+class RetryBudget:
+    """Concurrent retries ≤ max(min_retries, ratio x active requests), across the process. ``spec`` is read on
+    every decision, so a reloaded config applies at once."""
+
+    def __init__(self, spec: Callable[[], RetryBudgetSpec]) -> None:
+        self._spec = spec
+        self.active = 0  # requests holding a lease
+        self.retries = 0  # retries in progress
+
+    def limit(self) -> int:
+        s = self._spec()
+        return max(s.min_retries, math.floor(s.ratio * self.active + 1e-9))
+
+    def lease(self) -> BudgetLease:
+        """A request starts: it counts as active until ``BudgetLease.close``."""
+        self.active += 1
+        return BudgetLease(self)
+
+
+class BudgetLease:
+    """One request's share of the budget: itself, and the retries it was granted. ``close`` is idempotent."""
+
+    __slots__ = ("_budget", "_closed", "retries")
+
+    def __init__(self, budget: RetryBudget) -> None:
+        self._budget = budget
+        self._closed = False
+        self.retries = 0
+
+    def try_retry(self) -> bool:
+        b = self._budget
+        if self._closed or b.retries + 1 > b.limit():
+            return False
+        b.retries += 1
+        self.retries += 1
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._budget.active -= 1
+        self._budget.retries -= self.retries
+
+
+# --- outlier ejection --------------------------------------------------------------------------------------
+
+
+def would_strand(ep: EndpointState, pools: Iterable[PoolState]) -> bool:
+    """True when taking ``ep`` out would leave a model of its pool with no routable endpoint in any pool."""
+    pools = list(pools)
+    own = next((p for p in pools if p.name == ep.pool), None)
+    if own is None:
+        return False
+    for model in own.models:
+        if not any(e is not ep and e.routable for p in pools if model in p.models for e in p.endpoints):
+            return True
+    return False
+
+
+def note_failure(
+    ep: EndpointState,
+    reason: str,
+    pools: Iterable[PoolState],
+    spec: OutlierDetection,
+    now: float,
+    *,
+    unreachable: bool = False,
+) -> float | None:
+    """Record a failed attempt on ``ep``; eject it when it reached ``spec.consecutive_failures`` in a row.
+    Returns the ejection time when it was ejected now. ``unreachable`` (connect refused / timed out) also takes
+    it out until the next passing health check, as before."""
+    if unreachable:
+        ep.mark_failure(reason)
+    else:
+        ep.count_failure(reason)
+    count = ep.consecutive_failures
+    if ep.ejected or count < spec.consecutive_failures:
+        return None
+    if would_strand(ep, pools):
+        logger.warning(
+            "endpoint %s/%s failed %d times in a row, but it is the last routable endpoint for a model: not ejected",
+            ep.pool,
+            ep.id,
+            count,
+        )
+        return None
+    duration = ep.eject(now, spec.base_ejection_s, spec.max_ejection_s)
+    logger.warning(
+        "endpoint %s/%s ejected for %gs after %d failures in a row (ejection #%d): %s",
+        ep.pool,
+        ep.id,
+        duration,
+        count,
+        ep.ejections,
+        reason,
+    )
+    return duration
+
+
+# --- the policy a ProxyResponse uses -----------------------------------------------------------------------
+
+
+class AttemptPolicy:
+    """The process-wide part of the attempt loop: the retry budget and the outlier settings, both read from the
+    live config's ``defaults`` (``defaults`` is called on each use, so a reload takes effect)."""
+
+    def __init__(
+        self, defaults: Callable[[], Defaults], metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._defaults = defaults
+        self.metrics = metrics
+        self.clock = clock
+        self.budget = RetryBudget(lambda: self._defaults().retry_budget)
+
+    def failed(self, ep: EndpointState, exc: UpstreamError, pools: Iterable[PoolState]) -> None:
+        """Bookkeeping of a failed attempt: the endpoint's failure count, and its ejection when due."""
+        if isinstance(exc, PoolStatusError) and exc.upstream_status == 429:
+            return  # back-pressure, not a broken endpoint
+        self._note(ep, exc.message, pools, unreachable=isinstance(exc, UpstreamUnreachable))
+
+    def answered(self, ep: EndpointState, status: int, pools: Iterable[PoolState]) -> None:
+        """An attempt that got an answer: a 5xx passed through counts as a failure, anything else resets it."""
+        if status >= 500:
+            self._note(ep, f"HTTP {status}", pools)
+        else:
+            ep.mark_success()
+
+    def _note(self, ep: EndpointState, reason: str, pools: Iterable[PoolState], *, unreachable: bool = False) -> None:
+        spec = self._defaults().outlier_detection
+        if note_failure(ep, reason, pools, spec, self.clock(), unreachable=unreachable) is not None:
+            self.metrics.endpoint_ejected.labels(ep.pool, ep.id).set(1)
+            self.metrics.endpoint_ejections.labels(ep.pool, ep.id).inc()
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFailure:
+    pool: str
+    endpoint: str
+    error: UpstreamError
+    result: AttemptResult
+
+
+def exhausted(failures: list[AttemptFailure], *, budget_refused: bool = False) -> NoCapacity:
+    """The 503 of a request whose attempts are used up: every attempt's error in the message, ``Retry-After``,
+    and ``x-should-retry: false`` when every attempt failed in a way a client retry cannot change."""
+    if not failures:
+        return NoCapacity("no endpoint of the planned pools can take the request", retry_after_s=2)
+    listing = "; ".join(f"{f.pool}/{f.endpoint}: {f.error.message}" for f in failures)
+    n = len(failures)
+    if budget_refused:
+        message = f"{n} attempt(s) failed and the retry budget allows no retry now: {listing}"
+        code = "retry_budget_exhausted"
+    else:
+        message = f"all {n} attempt(s) failed: {listing}"
+        code = "upstream_timeout" if isinstance(failures[-1].error, UpstreamTimeout) else "upstream_unavailable"
+    headers = {}
+    if all(isinstance(f.error, PoolStatusError) and f.error.permanent for f in failures):
+        headers["x-should-retry"] = "false"
+    return NoCapacity(message, retry_after_s=2, code=code, headers=headers)
+
+
+def describe_status(status: int, body: bytes) -> str:
+    """``HTTP 503`` plus the pool's own error message when its body has one (vLLM's envelope, or the older flat
+    ``{"object": "error", "message": ...}``), shortened."""
+    text = f"HTTP {status}"
+    try:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return text
+    inner = data.get("error", data) if isinstance(data, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    if isinstance(message, str) and message:
+        text += f" ({message[:200]})"
+    return text

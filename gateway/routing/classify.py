@@ -1,0 +1,302 @@
+"""Classification: request body + headers + rules → features → traffic class. Pure, no I/O.
+
+``Classifier`` is compiled once per routing config (regexes compiled, conditions flattened into closures
+over plain floats) so that classifying one request touches only dict lookups and a few comparisons.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, Literal
+
+import re2
+
+from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
+from gateway.errors import InvalidParameter
+
+Endpoint = Literal["chat", "completions"]
+TaskSource = Literal["header", "rule", "default"]
+TASK_HEADER = "x-task-type"
+_TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the router knows about one request. ``max_tokens`` is +inf when the client set no limit."""
+
+    endpoint: Endpoint
+    model: str
+    temperature: float
+    top_p: float
+    max_tokens: float
+    stream: bool
+    n: int
+    tools: bool
+    response_format: str
+    prompt_tokens: int
+    task_type: str
+    task_source: TaskSource
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    features: RequestFeatures
+    traffic_class: TrafficClass
+
+
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise InvalidParameter(f"'{key}' must be a number, got {type(v).__name__}", param=key)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise InvalidParameter(f"'{key}' must be a finite number", param=key)
+    return f
+
+
+def _text_of(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "\n".join(t for t in parts if isinstance(t, str))
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Texts:
+    system: str
+    last_user: str
+    chars: int
+
+
+def _chat_texts(body: Mapping[str, Any]) -> _Texts:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParameter("'messages' must be a non-empty array", param="messages")
+    system: list[str] = []
+    last_user = ""
+    chars = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            raise InvalidParameter("each message must be an object", param="messages")
+        text = _text_of(m.get("content"))
+        chars += len(text)
+        role = m.get("role")
+        if role == "system" or role == "developer":
+            system.append(text)
+        elif role == "user":
+            last_user = text
+    return _Texts("\n".join(system), last_user, chars)
+
+
+def _completion_texts(body: Mapping[str, Any]) -> _Texts:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _Texts("", prompt, len(prompt))
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            joined = "\n".join(prompt)
+            return _Texts("", prompt[-1], len(joined))
+        if all(isinstance(p, int) for p in prompt):  # token ids
+            return _Texts("", "", len(prompt) * 4)
+        if all(isinstance(p, list) for p in prompt):  # batches of token ids
+            return _Texts("", "", sum(len(p) for p in prompt) * 4)
+    raise InvalidParameter("'prompt' must be a string, an array of strings or of token ids", param="prompt")
+
+
+def _window(text: str, limit: int) -> str:
+    """The head and tail of a long text: task cues sit at the start or the end of a prompt."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + "\n" + text[-half:]
+
+
+class _TaskMatcher:
+    """All task rules' patterns in two RE2 sets (system prompt, last user message): one linear pass per text."""
+
+    def __init__(self, rules: Sequence[TaskRule], scan_chars: int) -> None:
+        self._scan_chars = scan_chars
+        self._rules = tuple(
+            (r.task, frozenset(r.response_format.in_) if r.response_format else None, r.tools, bool(r.patterns))
+            for r in rules
+        )
+        self._sets: list[tuple[Any, list[int], str]] = []
+        for scope in ("system", "last_user"):
+            owners: list[int] = []
+            rset = re2.Set.SearchSet(re2_options())
+            for i, rule in enumerate(rules):
+                if scope in rule.scope:
+                    for pattern in rule.patterns:
+                        rset.Add(pattern)
+                        owners.append(i)
+            if owners:
+                rset.Compile()
+                self._sets.append((rset, owners, scope))
+
+    def _scan(self, texts: _Texts) -> set[int]:
+        hits: set[int] = set()
+        for rset, owners, scope in self._sets:
+            text = texts.system if scope == "system" else texts.last_user
+            if text:
+                # Encoded here: "replace" keeps a lone surrogate (possible in JSON) from raising.
+                data = _window(text, self._scan_chars).encode("utf-8", "replace")
+                hits.update(owners[k] for k in rset.Match(data) or ())
+        return hits
+
+    def match(self, response_format: str, tools: bool, texts: _Texts) -> str | None:
+        hits: set[int] | None = None
+        for i, (task, formats, want_tools, has_patterns) in enumerate(self._rules):
+            if formats is not None and response_format not in formats:
+                continue
+            if want_tools is not None and tools != want_tools:
+                continue
+            if not has_patterns:
+                return task
+            if hits is None:
+                hits = self._scan(texts)
+            if i in hits:
+                return task
+        return None
+
+
+Predicate = Callable[[RequestFeatures], bool]
+
+
+def _range_pred(attr: str, r: Range) -> Predicate:
+    get = attrgetter(attr)
+    lo = max((b for b in (r.gt, r.gte) if b is not None), default=-math.inf)
+    hi = min((b for b in (r.lt, r.lte) if b is not None), default=math.inf)
+    lo_open = r.gt is not None and r.gt == lo
+    hi_open = r.lt is not None and r.lt == hi
+    if lo_open and hi_open:
+        return lambda f: lo < get(f) < hi
+    if lo_open:
+        return lambda f: lo < get(f) <= hi
+    if hi_open:
+        return lambda f: lo <= get(f) < hi
+    return lambda f: lo <= get(f) <= hi
+
+
+def _set_pred(attr: str, values: list[str]) -> Predicate:
+    get = attrgetter(attr)
+    allowed = frozenset(values)
+    return lambda f: get(f) in allowed
+
+
+def _bool_pred(attr: str, want: bool) -> Predicate:
+    get = attrgetter(attr)
+    return lambda f: bool(get(f)) is want
+
+
+def compile_conditions(c: Conditions) -> tuple[Predicate, ...]:
+    preds: list[Predicate] = []
+    for attr in ("temperature", "top_p", "max_tokens", "n", "prompt_tokens"):
+        r = getattr(c, attr)
+        if r is not None:
+            preds.append(_range_pred(attr, r))
+    for attr in ("stream", "tools"):
+        b = getattr(c, attr)
+        if b is not None:
+            preds.append(_bool_pred(attr, b))
+    for attr in ("response_format", "model", "task_type", "endpoint"):
+        s = getattr(c, attr)
+        if s is not None:
+            preds.append(_set_pred(attr, s.in_))
+    return tuple(preds)
+
+
+class Classifier:
+    """Compiled from one ``RoutingRules``; immutable; safe to share between requests."""
+
+    def __init__(self, rules: RoutingRules) -> None:
+        d = rules.defaults
+        self._default_temperature = d.temperature
+        self._default_top_p = d.top_p
+        self._default_task = d.task_type
+        self._chars_per_token = d.chars_per_token
+        self._tasks = _TaskMatcher(rules.task_rules, d.task_scan_chars)
+        self._classes = tuple((c, compile_conditions(c.when)) for c in rules.classes)
+
+    def features(self, endpoint: Endpoint, body: Mapping[str, Any], task_header: str | None = None) -> RequestFeatures:
+        """Read the routing features of a parsed request body. Raises ``InvalidParameter`` on bad types."""
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidParameter("'model' is required and must be a string", param="model")
+        temperature = _number(body, "temperature", self._default_temperature)
+        top_p = _number(body, "top_p", self._default_top_p)
+        max_tokens = _number(body, "max_completion_tokens", math.nan)
+        if math.isnan(max_tokens):
+            max_tokens = _number(body, "max_tokens", math.inf)
+        n_raw = body.get("n")
+        if n_raw is None:
+            n = 1
+        elif isinstance(n_raw, int) and not isinstance(n_raw, bool):
+            n = n_raw
+        else:
+            raise InvalidParameter("'n' must be an integer", param="n")
+        stream_raw = body.get("stream", False)
+        if stream_raw is None:
+            stream_raw = False
+        if not isinstance(stream_raw, bool):
+            raise InvalidParameter("'stream' must be a boolean", param="stream")
+        tools_raw = body.get("tools")
+        tools = isinstance(tools_raw, list) and len(tools_raw) > 0
+        rf = body.get("response_format")
+        if rf is None:
+            response_format = "text"
+        elif isinstance(rf, dict) and isinstance(rf.get("type"), str):
+            response_format = rf["type"]
+        else:
+            raise InvalidParameter("'response_format' must be an object with a 'type'", param="response_format")
+        texts = _chat_texts(body) if endpoint == "chat" else _completion_texts(body)
+
+        task_source: TaskSource
+        if task_header and _TASK_HEADER_RE.fullmatch(task_header):
+            task, task_source = task_header.lower(), "header"
+        else:
+            matched = self._tasks.match(response_format, tools, texts)
+            if matched is not None:
+                task, task_source = matched, "rule"
+            else:
+                task, task_source = self._default_task, "default"
+
+        return RequestFeatures(
+            endpoint=endpoint,
+            model=model,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stream=stream_raw,
+            n=n,
+            tools=tools,
+            response_format=response_format,
+            prompt_tokens=int(texts.chars / self._chars_per_token),
+            task_type=task,
+            task_source=task_source,
+        )
+
+    def traffic_class(self, features: RequestFeatures) -> TrafficClass:
+        """The first class whose conditions all hold. The loader guarantees a catch-all at the end."""
+        for cls, preds in self._classes:
+            for p in preds:
+                if not p(features):
+                    break
+            else:
+                return cls
+        return self._classes[-1][0]
+
+    def classify(self, endpoint: Endpoint, body: Mapping[str, Any], task_header: str | None = None) -> Classification:
+        f = self.features(endpoint, body, task_header)
+        return Classification(f, self.traffic_class(f))

@@ -1,0 +1,493 @@
+"""Per-class route-state controller: live measurements → speculative or standard pool, without flapping.
+
+Pure: no I/O, no clock (every call takes ``now``). One ``Controller`` per traffic class that has a ``controller:``
+block (``ControllerConfig``); the caller feeds it one ``Observation`` per scrape round and sends the class's
+requests to its speculative candidate pool with probability ``share``, to the standard one otherwise.
+
+The class does not move as a whole: ``share`` moves in steps of ``share_step``, at most one step per ``window_s``
+(so each step's effect on the queues is seen before the next). A step against the previous one's direction is
+half as big, down to 1/8 of ``share_step``, so the share homes in on the balance instead of cycling around it; the
+third step in a row in one direction is twice as big again, up to ``share_step``, and the first step after
+``STEP_MEMORY_WINDOWS`` quiet windows is a full one, so a real change in load is followed quickly. The state is a
+label of the share: ``speculative`` (1), ``split`` (between) or ``standard`` (0). Under sustained load the share
+settles where the two pools' expected delays are within the hysteresis band, instead of the class alternating
+between the pools (moving it whole makes the other pool the loaded one). ``share_step: 1`` moves it whole.
+
+Decision order in ``observe`` (the first that applies wins):
+
+1. forced by on-call (``force`` with a TTL): no change.
+2. stale or missing data (a stale pool, no delay estimate, a queue/batch limit without its number) → the configured
+   ``safe_state`` (``standard`` while the guard is tripped or locked), reason ``stale``. Never read as 0.
+3. fewer than ``min_samples`` → no decision (``holding == "min_samples"``).
+4. the fallback guard, counted once per ``window_s``: acceptance below ``disable_below`` (vLLM's rate) or, on the
+   speculative pool, p95 above ``baseline x (1 + latency_regression_pct/100)``, for ``disable_after_windows``
+   consecutive windows, trips it: the class goes to standard (``acceptance_floor`` / ``latency_regression``) and
+   stays there until no window showed the condition for ``reenable_after_s`` (a window without the measurement
+   does not show it, so on the standard pool this is a timed retry). A trip when ``max_reenables_per_day``
+   re-enables were already used in the last 24 h locks the class (reason ``locked``) until ``unlock`` / ``force``.
+5. load, with hysteresis: one step away from speculative when its expected delay > standard's x exit ratio, or
+   when a queue/batch exit limit is exceeded AND the standard pool is expected to be faster (never move to a
+   slower pool); one step back when speculative's delay < standard's x enter ratio and queue/batch are within the
+   enter limits; in between, nothing changes. Both ratios are multiplied by ``1 + acceptance_weight x acceptance``
+   (the class's last measured rate; none measured: factor 1), so high-acceptance classes leave last and return
+   first; enter < exit keeps the band at any acceptance.
+
+Load steps (``load``, ``load_recovered``, ``reenabled``) wait ``window_s`` after the previous share change; a step
+that changes the state (a transition) also waits ``min_hold_s`` after the previous transition and is refused while
+``max_changes_per_hour`` automatic transitions happened in the last hour. Safety moves (``stale``,
+``acceptance_floor``, ``latency_regression``, ``locked``) go straight to share 0 or 1, at once, and count toward
+the cap; with ``safe_state: standard`` every safety move goes to standard, so flapping still needs load moves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, get_args
+
+from gateway.config.schema import ControllerConfig, PoolKind
+from gateway.fleet.vllm_metrics import PoolLoadView
+
+RouteState = Literal["speculative", "split", "standard"]
+Reason = Literal[
+    "min_samples",
+    "load",
+    "load_recovered",
+    "stale",
+    "acceptance_floor",
+    "latency_regression",
+    "reenabled",
+    "locked",
+    "manual",
+]
+REASONS: tuple[Reason, ...] = get_args(Reason)
+SAFETY_REASONS: frozenset[Reason] = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
+LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenabled"})
+Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step"]
+HOUR_S = 3600.0
+DAY_S = 86400.0
+DEFAULT_OUTPUT_TOKENS = 256.0
+STEP_MEMORY_WINDOWS = 10  # a load step this many windows after the last one starts again with a full step
+
+
+def expected_delay(
+    view: PoolLoadView, tpot_fallback_s: float, *, output_tokens: float = DEFAULT_OUTPUT_TOKENS
+) -> float | None:
+    """Seconds until a new request sent to ``view``'s pool has its first token and its ``output_tokens`` decoded.
+
+    Per fresh endpoint (requests are spread evenly): with ``r`` running and ``q`` waiting, one request takes
+    ``d = output_tokens x tpot`` to decode, so a batch slot frees about every ``d / max(r, 1)`` seconds and the new
+    request waits ``q x d / max(r, 1)`` in the queue, then one step for its first token, then ``d``::
+
+        delay = q x d / max(r, 1) + tpot + d
+
+    ``tpot`` is the pool's measured mean time per output token over the window (it already reflects the batch size
+    and, on a speculative pool, the acceptance of its traffic), else ``tpot_fallback_s``. Prefill is ignored (small
+    next to a decode of ``output_tokens``). None when the pool is stale: unknown, never 0.
+    """
+    if view.stale or view.running is None or view.waiting is None:
+        return None
+    measured = view.tpot_mean_s
+    tpot = measured if measured is not None and measured > 0 and math.isfinite(measured) else tpot_fallback_s
+    if not (tpot > 0 and math.isfinite(tpot)):
+        return None
+    endpoints = max(view.fresh_endpoints, 1)
+    running, waiting = view.running / endpoints, view.waiting / endpoints
+    decode = output_tokens * tpot
+    return waiting * decode / max(running, 1.0) + tpot + decode
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One window's measurements for a class's two candidate pools. None = not measured (never read as 0)."""
+
+    samples: int  # the class's requests measured in the window
+    spec_delay_s: float | None  # expected_delay of the speculative candidate pool
+    alt_delay_s: float | None  # expected_delay of the standard candidate pool
+    spec_queue: float | None = None  # waiting per fresh endpoint of the speculative pool
+    spec_batch: float | None = None  # running per fresh endpoint of the speculative pool
+    acceptance: float | None = None  # the class's acceptance rate (Δaccepted / Δdraft_tokens) in the window
+    p95_s: float | None = None  # the class's p95 latency in the window
+    stale: bool = False
+
+    @classmethod
+    def from_views(
+        cls,
+        spec: PoolLoadView,
+        alt: PoolLoadView,
+        *,
+        samples: int,
+        tpot_fallback_s: float,
+        acceptance: float | None = None,
+        p95_s: float | None = None,
+        output_tokens: float = DEFAULT_OUTPUT_TOKENS,
+    ) -> Observation:
+        n = spec.fresh_endpoints
+        return cls(
+            samples=samples,
+            spec_delay_s=expected_delay(spec, tpot_fallback_s, output_tokens=output_tokens),
+            alt_delay_s=expected_delay(alt, tpot_fallback_s, output_tokens=output_tokens),
+            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
+            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
+            acceptance=acceptance,
+            p95_s=p95_s,
+            stale=spec.stale or alt.stale,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A change of a class's route state: one metric increment, one log line, one audit record."""
+
+    class_name: str
+    from_state: RouteState
+    to_state: RouteState
+    reason: Reason
+    at: float
+    detail: str = ""
+    share: float = 0.0  # the speculative share after the transition
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerSnapshot:
+    """For /admin/state and explain."""
+
+    class_name: str
+    state: RouteState
+    share: float  # of the class's requests sent to the speculative pool first
+    since: float  # of the current state
+    share_since: float  # of the current share
+    last_reason: Reason | None
+    holding: Holding | None  # why the last observation changed nothing, if something held it
+    guard_tripped: bool
+    guard_cause: Reason | None
+    locked: bool
+    below_floor_windows: int
+    latency_windows: int
+    guard_clear_since: float | None
+    changes_last_hour: int
+    reenables_last_day: int
+    forced_until: float | None
+    exit_ratio: float
+    enter_ratio: float
+    last_observation: Observation | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Guard:
+    tripped: bool = False
+    locked: bool = False
+    cause: Reason | None = None
+    below_floor: int = 0
+    latency_high: int = 0
+    window_start: float | None = None
+    clear_since: float | None = None
+    reenable_pending: bool = False
+    reenables: deque[float] = field(default_factory=deque)
+
+
+class Controller:
+    """The route state of one traffic class. Not thread-safe: one owner calls it (the event loop)."""
+
+    def __init__(
+        self,
+        class_name: str,
+        config: ControllerConfig,
+        *,
+        initial: RouteState = "speculative",
+        now: float = 0.0,
+        baseline_p95_s: float | None = None,
+        share: float | None = None,
+    ) -> None:
+        self.class_name = class_name
+        self.config = config
+        self.baseline_p95_s = baseline_p95_s if baseline_p95_s is not None else config.baseline_p95_s
+        if share is None:
+            share = {"speculative": 1.0, "split": 0.5, "standard": 0.0}[initial]
+        self._share = min(1.0, max(0.0, share))
+        self._since = now
+        self._share_since = now
+        self._last_step: float | None = None  # the last automatic share change: steps are window_s apart
+        self._step = config.share_step  # the next step's size: halved on a reversal, grown back in one direction
+        self._direction = 0  # of the last load step: -1 toward standard, +1 toward speculative
+        self._run = 0  # load steps in a row in that direction
+        self._last_reason: Reason | None = None
+        self._holding: Holding | None = None
+        self._changes: deque[float] = deque()  # times of automatic transitions in the last hour
+        self._guard = _Guard()
+        self._forced_until: float | None = None
+        self._acceptance: float | None = None  # last measured; scales the margins
+        self._last_obs: Observation | None = None
+        self._last_now = now
+
+    @property
+    def state(self) -> RouteState:
+        return _label(self._share)
+
+    @property
+    def share(self) -> float:
+        """The share of the class's requests sent to the speculative pool first."""
+        return self._share
+
+    @property
+    def _state(self) -> RouteState:
+        return _label(self._share)
+
+    @property
+    def locked(self) -> bool:
+        return self._guard.locked
+
+    @property
+    def guard_tripped(self) -> bool:
+        return self._guard.tripped
+
+    def ratios(self) -> tuple[float, float]:
+        """(exit ratio, enter ratio): the margins scaled by the class's last measured acceptance."""
+        factor = 1.0 + self.config.acceptance_weight * (self._acceptance if self._acceptance is not None else 0.0)
+        return self.config.exit_margin * factor, self.config.enter_margin * factor
+
+    # -- the decision ------------------------------------------------------------------------------------------
+
+    def observe(self, now: float, obs: Observation) -> Transition | None:
+        """One window's measurements at ``now``; returns the transition it causes, if any."""
+        self._last_now, self._last_obs = now, obs
+        self._prune(now)
+        if obs.acceptance is not None and math.isfinite(obs.acceptance):
+            self._acceptance = obs.acceptance
+        if self._forced_until is not None and now < self._forced_until:
+            return self._hold("forced")
+        self._forced_until = None
+        if self._missing(obs):
+            g = self._guard
+            if g.tripped:
+                g.clear_since = now  # clearance needs reenable_after_s of fresh windows
+            target: PoolKind = "standard" if g.tripped or g.locked else self.config.safe_state
+            if target != self._state:
+                return self._move(_SHARE[target], "stale", now, "measurements missing or stale")
+            return self._hold("stale")
+        if obs.samples < self.config.min_samples:
+            return self._hold("min_samples")
+        tripped = self._guard_window(now, obs)
+        if tripped is not None:
+            return tripped
+        if self._guard.locked:
+            return self._hold("locked")
+        if self._guard.tripped:
+            return self._hold("guard")
+        return self._load_decision(now, obs)
+
+    def _missing(self, obs: Observation) -> bool:
+        c = self.config
+        return (
+            obs.stale
+            or not _finite(obs.spec_delay_s)
+            or not _finite(obs.alt_delay_s)
+            or (c.max_queue_exit is not None and not _finite(obs.spec_queue))
+            or (c.max_batch_exit is not None and not _finite(obs.spec_batch))
+        )
+
+    def _guard_window(self, now: float, obs: Observation) -> Transition | None:
+        """Count one guard window per ``window_s``; trip, lock or clear the guard. A trip's transition, if any."""
+        c, g = self.config, self._guard
+        if g.window_start is None:
+            g.window_start = now
+        if now - g.window_start < c.window_s:
+            return None
+        g.window_start = now
+        acc_bad: bool | None = None
+        if c.disable_below is not None and obs.acceptance is not None:
+            acc_bad = obs.acceptance < c.disable_below
+            g.below_floor = g.below_floor + 1 if acc_bad else 0
+        lat_bad: bool | None = None
+        if (
+            c.latency_regression_pct is not None
+            and self.baseline_p95_s is not None
+            and obs.p95_s is not None
+            and self._share > 0
+        ):
+            lat_bad = obs.p95_s > self.baseline_p95_s * (1.0 + c.latency_regression_pct / 100.0)
+            g.latency_high = g.latency_high + 1 if lat_bad else 0
+        if g.locked:
+            return None
+        if g.tripped:
+            if acc_bad or lat_bad or g.clear_since is None:
+                g.clear_since = now
+            elif now - g.clear_since >= c.reenable_after_s:
+                g.tripped, g.clear_since, g.reenable_pending = False, None, True
+                g.reenables.append(now)
+            return None
+        if g.below_floor < c.disable_after_windows and g.latency_high < c.disable_after_windows:
+            return None
+        cause: Reason = "acceptance_floor" if g.below_floor >= c.disable_after_windows else "latency_regression"
+        detail = f"{cause} for {c.disable_after_windows} windows"
+        g.tripped, g.cause, g.clear_since, g.below_floor, g.latency_high = True, cause, now, 0, 0
+        reason: Reason = cause
+        if len(g.reenables) >= c.max_reenables_per_day:
+            g.locked, reason = True, "locked"
+            detail += f"; {len(g.reenables)} re-enables in 24 h: locked until a person unlocks it"
+        if self._share > 0:
+            return self._move(0.0, reason, now, detail)
+        self._last_reason = reason
+        return self._hold("locked" if g.locked else "guard")
+
+    def _load_decision(self, now: float, obs: Observation) -> Transition | None:
+        c = self.config
+        spec, alt = obs.spec_delay_s, obs.alt_delay_s
+        if spec is None or alt is None:  # _missing checked them; for the type checker
+            return self._hold("stale")
+        exit_ratio, enter_ratio = self.ratios()
+        direction = 0
+        detail = ""
+        if self._share > 0:
+            over = _over(obs.spec_queue, c.max_queue_exit) or _over(obs.spec_batch, c.max_batch_exit)
+            if spec > alt * exit_ratio:
+                direction, detail = -1, f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
+            elif over and alt < spec:
+                direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
+        if direction == 0 and self._share < 1:
+            within = not _over(obs.spec_queue, c.max_queue_enter) and not _over(obs.spec_batch, c.max_batch_enter)
+            if spec < alt * enter_ratio and within:
+                direction, detail = 1, f"delay {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
+        if direction == 0:
+            self._holding = None
+            return None
+        fresh = self._last_step is None or now - self._last_step > STEP_MEMORY_WINDOWS * c.window_s
+        if self._direction == 0 or fresh or c.share_step >= 1.0:  # share_step 1: whole-class moves, always
+            size, run = c.share_step, 1
+        elif direction != self._direction:
+            size, run = max(self._step / 2, c.share_step / 8), 1
+        else:
+            run = self._run + 1
+            size = min(self._step * 2, c.share_step) if run >= 3 else self._step
+        target = _clamp(self._share + direction * size)
+        if self._last_step is not None and now - self._last_step < c.window_s:
+            return self._hold("step")
+        if _label(target) != self._state:
+            if now - self._since < c.min_hold_s:
+                return self._hold("hold")
+            if len(self._changes) >= c.max_changes_per_hour:
+                return self._hold("cap")
+        reason: Reason = "load"
+        if direction > 0:
+            reason = "reenabled" if self._guard.reenable_pending else "load_recovered"
+        self._step, self._direction, self._run = size, direction, run
+        return self._move(target, reason, now, detail)
+
+    # -- on-call ---------------------------------------------------------------------------------------------
+
+    def force(
+        self, state: PoolKind, now: float, reason: Reason = "manual", *, ttl_s: float | None = None
+    ) -> Transition | None:
+        """Set the state by hand; ``ttl_s``: the controller changes nothing for that long (else min_hold_s applies
+        as after any transition). Forcing ``speculative`` is a person re-enabling the class: it clears the guard and
+        the lock. Not counted against the change cap."""
+        if state == "speculative":
+            self._clear_guard()
+        self._forced_until = None if ttl_s is None else now + ttl_s
+        if state == self._state:
+            self._last_reason = reason
+            return None
+        return self._move(_SHARE[state], reason, now, "forced by on-call", automatic=False)
+
+    def release(self) -> None:
+        """End a ``force`` before its TTL (on-call set the class back to ``auto``): the next observation decides."""
+        self._forced_until = None
+
+    @property
+    def forced_until(self) -> float | None:
+        return self._forced_until
+
+    def unlock(self, now: float) -> None:
+        """A person re-enables a locked (or tripped) class: guard, lock and re-enable count cleared; the next
+        observation decides the state by load as usual."""
+        self._last_now = now
+        self._clear_guard()
+
+    def _clear_guard(self) -> None:
+        self._guard = _Guard(window_start=self._guard.window_start)
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------
+
+    def _move(
+        self, share: float, reason: Reason, now: float, detail: str, *, automatic: bool = True
+    ) -> Transition | None:
+        """Set the share; a transition when the state changes with it (None: a step within ``split``)."""
+        before = self._state
+        self._share, self._share_since, self._last_reason, self._holding = share, now, reason, None
+        if automatic:
+            self._last_step = now
+        after = self._state
+        if after == "speculative":
+            self._guard.reenable_pending = False
+        if reason not in LOAD_REASONS:  # after a safety or manual move the next load step is a full one
+            self._step, self._direction, self._run = self.config.share_step, 0, 0
+        if after == before:
+            return None
+        self._since = now
+        if automatic:
+            self._changes.append(now)
+        return Transition(self.class_name, before, after, reason, now, detail, share)
+
+    def _hold(self, why: Holding) -> Transition | None:
+        """Nothing changes; remember why (snapshot ``holding``)."""
+        self._holding = why
+        return None
+
+    def _prune(self, now: float) -> None:
+        while self._changes and self._changes[0] <= now - HOUR_S:
+            self._changes.popleft()
+        reenables = self._guard.reenables
+        while reenables and reenables[0] <= now - DAY_S:
+            reenables.popleft()
+
+    def snapshot(self, now: float | None = None) -> ControllerSnapshot:
+        """The controller's state for /admin/state and explain (counters as of ``now``, else the last call)."""
+        at = self._last_now if now is None else now
+        g = self._guard
+        exit_ratio, enter_ratio = self.ratios()
+        return ControllerSnapshot(
+            class_name=self.class_name,
+            state=self._state,
+            share=self._share,
+            since=self._since,
+            share_since=self._share_since,
+            last_reason=self._last_reason,
+            holding=self._holding,
+            guard_tripped=g.tripped,
+            guard_cause=g.cause,
+            locked=g.locked,
+            below_floor_windows=g.below_floor,
+            latency_windows=g.latency_high,
+            guard_clear_since=g.clear_since,
+            changes_last_hour=sum(1 for t in self._changes if t > at - HOUR_S),
+            reenables_last_day=sum(1 for t in g.reenables if t > at - DAY_S),
+            forced_until=self._forced_until,
+            exit_ratio=exit_ratio,
+            enter_ratio=enter_ratio,
+            last_observation=self._last_obs,
+        )
+
+
+_SHARE: dict[PoolKind, float] = {"speculative": 1.0, "standard": 0.0}
+
+
+def _label(share: float) -> RouteState:
+    return "speculative" if share >= 1.0 else "standard" if share <= 0.0 else "split"
+
+
+def _clamp(share: float) -> float:
+    """Into [0, 1], rounded so that steps of 0.1 add up to exactly 1."""
+    return min(1.0, max(0.0, round(share, 9)))
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _over(value: float | None, limit: float | None) -> bool:
+    """``value`` above ``limit``; no limit is never over (a missing value with a limit is caught as stale)."""
+    return limit is not None and value is not None and value > limit

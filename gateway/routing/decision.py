@@ -1,0 +1,99 @@
+"""One request's routing decision, shared by the proxy handler and ``explain``: body → class → attempt plan.
+
+Pure apart from reading the live config and the controllers' state; sends nothing anywhere. Raises the gateway's
+client errors (unknown model, no pool for embeddings, bad parameters) exactly as the handler answers them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.config.schema import RoutingRules, TrafficClass
+from gateway.errors import ModelNotFound, RouteNotFound
+from gateway.fleet.pools import PoolState
+from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
+from gateway.routing.plan import Plan, PoolView, plan_route
+from gateway.routing.route_state import RouteChoice, RoutingState
+
+
+class RoutingInputs(Protocol):
+    """What a decision reads of the config in force (``gateway.runtime.live.LiveConfig`` is one)."""
+
+    @property
+    def rules(self) -> RoutingRules: ...
+    @property
+    def pools(self) -> Mapping[str, PoolState]: ...
+    @property
+    def classifier(self) -> Classifier: ...
+    @property
+    def model_set(self) -> frozenset[str]: ...
+    def views(self) -> Mapping[str, PoolView]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the gateway decided for one request, before any attempt."""
+
+    traffic_class: str
+    plan: Plan
+    stream: bool
+    max_attempts: int
+    features: RequestFeatures | None = None  # None for embeddings (not classified)
+    klass: TrafficClass | None = None
+    choice: RouteChoice | None = None  # the class controller's answer; None without a controller
+    unknown_model: str | None = None  # the requested model when no pool serves it (the plan is empty)
+
+    def check_model(self) -> None:
+        """Raise the 404 for a model no pool serves (after the caller has recorded the class)."""
+        if self.unknown_model is not None:
+            raise ModelNotFound(f"The model `{self.unknown_model}` does not exist.", param="model")
+
+
+def decide(
+    live: RoutingInputs,
+    routing: RoutingState,
+    endpoint: Endpoint | None,
+    body: Mapping[str, Any],
+    task_header: str | None,
+    rng: random.Random,
+    *,
+    count: bool = True,
+) -> Decision:
+    """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
+    ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
+    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404."""
+    if endpoint is None:
+        model = body.get("model")
+        pool_name = live.rules.embeddings_pool
+        if pool_name is None:
+            raise RouteNotFound("this gateway has no pool for embeddings")
+        if not isinstance(model, str) or model not in live.pools[pool_name].models:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
+        return Decision("embeddings", plan, stream=False, max_attempts=1)
+    c = live.classifier.classify(endpoint, body, task_header)
+    f = c.features
+    if f.model not in live.model_set:
+        empty = Plan((), "model not served")
+        return Decision(c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model)
+    choice = routing.choose(c.traffic_class.name, rng, count=count)
+    plan = plan_route(
+        c.traffic_class.route,
+        f.model,
+        live.views(),
+        route_state=None if choice is None else choice.pick,
+        split=choice is not None and choice.state == "split",
+        forced=choice is not None and choice.forced,
+    )
+    return Decision(
+        c.traffic_class.name,
+        plan,
+        stream=f.stream,
+        max_attempts=live.rules.defaults.max_attempts,
+        features=f,
+        klass=c.traffic_class,
+        choice=choice,
+    )

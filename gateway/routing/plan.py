@@ -1,0 +1,179 @@
+"""The routing decision: traffic class + live pool view → ordered attempt plan. Pure, no I/O.
+
+The plan is the preferred pool (or the ``saturated`` pool while the preferred one is saturated), then the
+class's fallbacks in order; pools that do not serve the requested model, or have no routable endpoint, are left
+out, and the reason for each choice is kept so that a response header and ``specgate explain`` can show it.
+With ``route.fallback_model``, fallback pools that do not serve the requested model but serve that one come last,
+with the model to ask them for (``Plan.models``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.config.schema import Route
+from gateway.errors import NoCapacity
+
+# Skip reasons that no client retry can change (only a config change or an operator can).
+PERMANENT_SKIPS = frozenset({"unknown pool", "model not served", "drained"})
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """What the decision needs to know about one pool right now."""
+
+    name: str
+    kind: str
+    models: frozenset[str]
+    routable_endpoints: int
+    in_flight: int
+    drained: bool = False  # every endpoint has weight 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    pools: tuple[str, ...]
+    reason: str
+    skipped: tuple[tuple[str, str], ...] = ()
+    models: tuple[tuple[str, str], ...] = ()  # (pool, model): ask that pool for another model (route.fallback_model)
+    ttft_deadline_s: float | None = None  # streams: the class's first-event deadline (None: the pool's first_byte_s)
+
+    @property
+    def empty(self) -> bool:
+        return not self.pools
+
+    def model_for(self, pool: str) -> str | None:
+        """The model to ask ``pool`` for instead of the requested one; None: the requested one."""
+        for name, model in self.models:
+            if name == pool:
+                return model
+        return None
+
+    def unavailable(self) -> NoCapacity:
+        """The 503 for an empty plan; ``x-should-retry: false`` when no pool could take it whatever the timing
+        (unknown / model not served / drained), since a client retry cannot change that."""
+        skipped = ", ".join(f"{p}: {why}" for p, why in self.skipped) or "no candidate pool"
+        headers = {}
+        if self.skipped and all(why in PERMANENT_SKIPS for _, why in self.skipped):
+            headers["x-should-retry"] = "false"
+        return NoCapacity(f"no pool can take this request now ({skipped})", retry_after_s=5, headers=headers)
+
+
+def is_saturated(route: Route, pool: PoolView) -> bool:
+    limit = route.saturation.max_inflight_per_endpoint
+    if limit is None or pool.routable_endpoints == 0:
+        return False
+    return pool.in_flight >= limit * pool.routable_endpoints
+
+
+def _per_endpoint(pool: PoolView) -> float:
+    return pool.in_flight / pool.routable_endpoints if pool.routable_endpoints else float("inf")
+
+
+def should_spill(route: Route, preferred: PoolView, saturated: PoolView | None) -> bool:
+    """Spill to ``route.saturated``: the preferred pool is over its in-flight limit AND the saturated pool holds
+    fewer requests per endpoint. Without the second condition a burst moves the whole class onto a pool that may
+    be busier still (measured: a class spilling 71% of its requests onto an already saturated standard pool, whose
+    p50 went from 4 s to 19 s, while the speculative pool had room)."""
+    if saturated is None or saturated.routable_endpoints == 0 or not is_saturated(route, preferred):
+        return False
+    return _per_endpoint(saturated) < _per_endpoint(preferred)
+
+
+def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[str, str] | None:
+    """The class's controller candidates by pool kind (``{"speculative": name, "standard": name}``) among
+    ``route.preferred`` / ``route.saturated``; None when they are not one of each (the loader checks this)."""
+    if route.saturated is None:
+        return None
+    by_kind: dict[str, str] = {}
+    for name in (route.preferred, route.saturated):
+        view = pools.get(name)
+        if view is None or view.kind in by_kind:
+            return None
+        by_kind[view.kind] = name
+    return by_kind if set(by_kind) == {"speculative", "standard"} else None
+
+
+def plan_route(
+    route: Route,
+    model: str,
+    pools: Mapping[str, PoolView],
+    *,
+    route_state: str | None = None,
+    split: bool = False,
+    forced: bool = False,
+) -> Plan:
+    """Order the candidate pools for one request of a class, by the class's route and the pools' state.
+
+    ``route_state`` is the pool kind the class controller picked for this request (``"speculative"`` /
+    ``"standard"``; None: no controller): the candidate of that kind goes first, the other second, then the
+    fallbacks (reason ``controller:<kind>``, or ``controller:split:<kind>`` when ``split``: the controller sends
+    a share of the class to each pool and this request drew ``<kind>``).
+    The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
+    applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
+    round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
+    preferred pool only).
+
+    ``forced``: an on-call class route on a class without a controller (``route_state`` is the forced kind): the
+    first pool of that kind among the route's pools (preferred, saturated, fallback) goes first, the others keep
+    their order after it (reason ``forced:<kind>``); no saturation spill.
+    """
+    if forced and route_state is not None:
+        return _forced_plan(route, model, pools, route_state)
+    preferred = pools.get(route.preferred)
+    reason = "preferred"
+    order: list[str] = [route.preferred]
+    candidates = controller_candidates(route, pools) if route_state is not None else None
+    if candidates is not None and route_state in candidates:
+        first = candidates[route_state]
+        second = route.saturated if first == route.preferred else route.preferred
+        assert second is not None  # candidates exist only with route.saturated
+        order = [first, second]
+        reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
+    if (
+        (candidates is None or order[0] == route.preferred)
+        and route.saturated is not None
+        and preferred is not None
+        and should_spill(route, preferred, pools.get(route.saturated))
+    ):
+        order = [route.saturated, route.preferred]
+        reason = "saturated"
+    order.extend(route.fallback)
+    return _plan(route, model, pools, order, reason)
+
+
+def _forced_plan(route: Route, model: str, pools: Mapping[str, PoolView], kind: str) -> Plan:
+    names = [route.preferred] + ([route.saturated] if route.saturated is not None else []) + list(route.fallback)
+    order = list(dict.fromkeys(names))
+    first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    return _plan(route, model, pools, order, f"forced:{kind}")
+
+
+def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], reason: str) -> Plan:
+    chosen: list[str] = []
+    other_model: list[str] = []  # fallback pools that serve route.fallback_model instead: tried last
+    skipped: list[tuple[str, str]] = []
+    alt = route.fallback_model if route.fallback_model != model else None
+    for name in order:
+        if name in chosen or name in other_model:
+            continue
+        view = pools.get(name)
+        if view is None:
+            skipped.append((name, "unknown pool"))
+            continue
+        serves = model in view.models
+        if not serves and not (alt in view.models and name in route.fallback):  # nor route.fallback_model
+            skipped.append((name, "model not served"))
+        elif view.routable_endpoints == 0:
+            skipped.append((name, "drained" if view.drained else "no routable endpoint"))
+        else:
+            (chosen if serves else other_model).append(name)
+    final = chosen + other_model
+    if final and final[0] != order[0] and reason == "preferred":
+        reason = f"{order[0]} unavailable"
+    models = tuple((name, alt) for name in other_model if alt is not None)
+    return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s)

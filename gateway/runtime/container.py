@@ -1,0 +1,186 @@
+"""The one dependency container of a gateway process, built by ``create_app`` and run by its lifespan.
+
+Everything that depends on the routing YAML lives in one immutable ``LiveConfig``; a reload builds a new one
+and swaps the reference in a single assignment, so a request sees either the old config or the new one, never
+a mix. Endpoint state (health, in-flight counts) is carried over by endpoint id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from pathlib import Path
+
+from gateway.config.loader import load_rules_text
+from gateway.config.settings import Settings
+from gateway.errors import GatewayError, Unauthorized
+from gateway.fleet.health import HealthChecker
+from gateway.fleet.scraper import Scraper
+from gateway.fleet.vllm_metrics import PoolLoad
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.overrides.audit import AuditLog, AuditRecord
+from gateway.overrides.manager import Override, OverrideManager
+from gateway.overrides.store import build_override_store
+from gateway.periodic import cancel_and_wait
+from gateway.routing.attempts import AttemptPolicy
+from gateway.routing.controller import Transition
+from gateway.routing.route_state import RoutingState
+from gateway.runtime.live import LiveConfig
+from gateway.runtime.reload import Reloader, ReloadResult
+from gateway.store.base import Store, StoreUnavailable
+from gateway.store.health import StoreHealth, build_store
+
+logger = logging.getLogger("specgate")
+
+
+class Runtime:
+    def __init__(self, settings: Settings, live: LiveConfig) -> None:
+        self.settings = settings
+        self.live = live
+        self.metrics = GatewayMetrics()
+        self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
+        self.rng = random.Random()
+        self.started_at = int(time.time())
+        self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
+        keys = settings.client_api_keys()
+        self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
+        self.health = HealthChecker(
+            lambda: self.live.pools.values(),
+            self.metrics,
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+        )
+        # The attempt loop's process-wide part: the retry budget and outlier ejection (gateway.routing.attempts).
+        self.attempts = AttemptPolicy(lambda: self.live.rules.defaults, self.metrics)
+        # The route state of the classes with a ``controller:`` block, fed after every scrape round.
+        self.routing = RoutingState(
+            lambda: self.live.rules,
+            self.metrics.registry,
+            latency_p95=self.metrics.latency_p95,
+            on_transition=self._audit_transition,
+        )
+        self.scraper = Scraper(
+            lambda: self.live.pools.values(),
+            lambda: self.live.rules.scrape,
+            self.metrics,
+            on_round=self.routing.on_scrape_round,
+        )
+        # Idempotency records: Redis when configured, else memory. ``store`` is the health-tracking wrapper, so a
+        # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
+        self.store_health = StoreHealth(build_store(settings.redis_url), self.metrics.registry)
+        self.store: Store = self.store_health
+        # On-call overrides and the audit log, in the same store (Redis: shared by every replica;
+        # gateway.overrides.manager).
+        self.overrides = OverrideManager(
+            build_override_store(settings.redis_url),
+            pools=lambda: self.live.pools,
+            rules=lambda: self.live.rules,
+            routing=self.routing,
+            registry=self.metrics.registry,
+            local_audit=self.audit,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        # Hot reload of the routing YAML: SIGHUP, POST /admin/reload, the file watcher (gateway.runtime.reload).
+        self.reloader = Reloader(self)
+
+    def _audit_transition(self, t: Transition) -> None:
+        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
+        self.overrides.record(
+            AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Runtime:
+        """Load and validate the routing YAML; raises ``RulesError`` with every problem found."""
+        path = Path(settings.rules)
+        text = path.read_text()
+        rules = load_rules_text(text, source=str(path))
+        return cls(settings, LiveConfig.build(rules, str(path), text))
+
+    async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:
+        """Re-read the routing YAML; validated completely before one swap of ``live`` (``gateway.runtime.reload``)."""
+        return await self.reloader.reload(trigger, actor)
+
+    async def apply_overrides(self) -> list[Override]:
+        """After a config swap: re-apply the active overrides to the new config (synchronously, before the first
+        ``await``: no request sees the swapped config without them) and drop (audited, from the store) and return
+        those referring to pools, endpoints or classes it no longer has."""
+        unknown = self.overrides.apply()
+        if unknown:
+            reason = f"its target is not in the config {self.live.digest}"
+            try:
+                await self.overrides.drop(unknown, actor="reload", reason=reason)
+            except GatewayError as exc:  # not applied here anyway; the store keeps them until a later drop
+                logger.warning("could not drop %d override(s) from the store: %s", len(unknown), exc.message)
+        return unknown
+
+    @property
+    def loads(self) -> dict[str, PoolLoad]:
+        """Scraped load per pool (``PoolLoad.view(now)``, or ``scraper.views()`` with in-flight counts applied)."""
+        return self.scraper.loads
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self._key_digests)
+
+    def authenticate(self, authorization: str | None) -> None:
+        if not self._key_digests:
+            return
+        if not authorization or not authorization[:7].lower() == "bearer ":
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        if digest not in self._key_digests:
+            raise Unauthorized("invalid API key")
+
+    @property
+    def ready(self) -> tuple[bool, str]:
+        if self.health.rounds == 0:
+            return False, "first health check round not finished"
+        if self.live.healthy_endpoints() == 0:
+            return False, "no healthy endpoint"
+        return True, "ok"
+
+    async def start(self) -> None:
+        if not self.auth_enabled:
+            logger.warning(
+                "client authentication is OFF: any client can use this gateway "
+                "(set SPECGATE_API_KEYS or --api-keys-file to require keys)"
+            )
+        rules = self.live.rules
+        logger.info(
+            "specgate ready to serve: %d pools, %d classes, config %s (%s)",
+            len(rules.pools),
+            len(rules.classes),
+            self.live.source,
+            self.live.digest,
+        )
+        self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
+        self._tasks.append(asyncio.create_task(self.scraper.run(), name="specgate-scrape"))
+        self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
+        self._tasks.append(asyncio.create_task(self.store_health.run(), name="specgate-store-health"))
+        try:  # overrides in force before the first request (a restart keeps them); else the task retries
+            async with asyncio.timeout(2.0):
+                await self.overrides.refresh()
+                # A restart with a changed config (the usual rollout) drops overrides on pools or classes it no
+                # longer has, as a hot reload does: a pool of that name coming back later must not be drained by
+                # a forgotten override.
+                await self.apply_overrides()
+        except (TimeoutError, StoreUnavailable) as exc:
+            logger.warning("overrides not loaded at start-up (%s); retrying in the background", exc)
+        self._tasks.append(asyncio.create_task(self.overrides.run(), name="specgate-overrides"))
+        self.reloader.start()
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+        self._tasks.clear()
+        await self.reloader.stop()
+        await self.health.close()
+        await self.scraper.close()
+        await self.store_health.close()
+        await self.overrides.close()
+        for client in self.live.clients.values():
+            await client.close()

@@ -1,0 +1,450 @@
+"""Hot reload of the routing YAML: triggers, validation first, one reference swap, and the retirement of old clients.
+
+Triggers (all end in ``Runtime.reload(trigger)``, which serialises them with one lock):
+
+- ``sighup``: ``kill -HUP <pid>`` of a one-worker ``specgate serve`` (the handler is added to the running loop by
+  ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). With ``--workers N`` a SIGHUP to uvicorn's
+  supervisor makes it restart the workers (uvicorn's own behaviour: each new worker loads the file at start); send
+  it to the worker pids instead for an in-place reload, or rely on the watcher, which runs in every worker.
+- ``admin``: ``POST /admin/reload``.
+- ``watch``: ``ConfigWatcher`` polls the file every second. It compares the resolved path (``os.path.realpath``),
+  device, inode, mtime and size, so that an in-place edit, an atomic rename and a Kubernetes ConfigMap update
+  (``rules.yaml -> ..data/rules.yaml``, ``..data`` an atomically swapped symlink to a new timestamped directory) are
+  all seen; then it hashes the content and hands only a new content on. Every ``recheck_every`` polls it hashes the
+  file even when the signature did not change (a filesystem with a coarse mtime). A half-written file is handed on,
+  rejected by validation, and handed on again once complete (its size or mtime changed).
+
+A reload reads the file, and when its hash equals the config in force answers ``unchanged`` (no swap). Otherwise
+the text goes through ``load_rules_text`` completely (YAML, schema, semantic checks; every error names its path and
+line) before anything changes. Invalid: nothing changes, the last good config keeps serving, each error is logged,
+``specgate_config_reload_total{result="invalid"}`` counts it, the admin answer is a 422 listing every error. Valid:
+``LiveConfig.build(..., previous=old)`` and one assignment ``runtime.live = new``. A request reads ``runtime.live``
+once and keeps that object (its pools and clients) to its end, so requests in flight finish under the config they
+started with. Clients (connection pools) of pools whose spec did not change are carried over; the others are
+closed by ``ClientRetirer`` only once the old pools have no request in flight (or after the pool's ``total_s``,
+which bounds every request made through that session anyway), never cutting an open stream. Then
+``runtime.apply_overrides()`` drops the overrides that refer to pools or classes the new config removed; they are
+reported in the result and the log. Every attempt is an audit record and sets ``specgate_config_info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from gateway.config.loader import ConfigIssue, RulesError, load_rules_text
+from gateway.config.settings import Settings
+from gateway.fleet.pools import PoolState
+from gateway.fleet.upstream import PoolClient
+from gateway.observability.metrics import GatewayMetrics
+from gateway.overrides.audit import AuditRecord
+from gateway.overrides.manager import OverrideManager
+from gateway.periodic import cancel_and_wait, run_every
+from gateway.runtime.live import LiveConfig, config_digest
+
+logger = logging.getLogger("specgate")
+
+ReloadOutcome = Literal["ok", "unchanged", "invalid", "error"]
+RESULTS: tuple[ReloadOutcome, ...] = ("ok", "unchanged", "invalid", "error")
+
+
+def default_actor(trigger: str) -> str:
+    """The audit actor of a reload nobody named: ``signal`` (SIGHUP), ``watcher``, else the trigger itself."""
+    return {"sighup": "signal", "watch": "watcher"}.get(trigger, trigger)
+
+
+def read_config(path: str | os.PathLike[str]) -> str:
+    """The file's text (UTF-8, a BOM dropped); raises ``RulesError`` naming the file when it cannot be read."""
+    source = os.fspath(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise RulesError([ConfigIssue("", f"cannot read the file: {exc.strerror or exc}")], source) from exc
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RulesError([ConfigIssue("", f"the file is not UTF-8 text: {exc.reason}")], source) from exc
+
+
+def issue_dict(issue: ConfigIssue) -> dict[str, Any]:
+    return {"path": issue.path, "line": issue.line, "message": issue.message}
+
+
+def jsonable(obj: object) -> Any:
+    """An override (whatever ``Runtime.apply_overrides`` returns) as JSON: ``as_dict()``, a dataclass, or as is."""
+    as_dict = getattr(obj, "as_dict", None)
+    if callable(as_dict):
+        return as_dict()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if obj is None or isinstance(obj, str | int | float | bool | list | dict):
+        return obj
+    return str(obj)
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    """One reload attempt. ``version`` / ``hash``: the config in force afterwards (the new one when ``ok``)."""
+
+    result: ReloadOutcome
+    trigger: str
+    source: str
+    version: int
+    hash: str
+    previous_hash: str
+    attempted_hash: str | None = None  # the hash of the text read; None when it could not be read
+    issues: tuple[ConfigIssue, ...] = ()
+    dropped_overrides: tuple[Any, ...] = ()
+    message: str = ""
+    at: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def changed(self) -> bool:
+        return self.result == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The body of ``POST /admin/reload`` (200) and the detail of the audit record."""
+        return {
+            "result": self.result,
+            "trigger": self.trigger,
+            "source": self.source,
+            "version": self.version,
+            "hash": self.hash,
+            "previous_hash": self.previous_hash,
+            "attempted_hash": self.attempted_hash,
+            "errors": [issue_dict(i) for i in self.issues],
+            "dropped_overrides": [jsonable(o) for o in self.dropped_overrides],
+            "message": self.message,
+            "at": self.at,
+        }
+
+    def error_message(self) -> str:
+        """One line for the admin answer and the log: every error with its path and line."""
+        if not self.issues:
+            return self.message
+        listed = "; ".join(str(i) for i in self.issues)
+        n = len(self.issues)
+        errors = f"{n} error{'s' if n != 1 else ''}"
+        return f"{self.source}: the routing YAML was rejected ({errors}; the config in force is unchanged): {listed}"
+
+
+# ---------------------------------------------------------------------------------------------- the watcher
+
+
+@dataclass(frozen=True, slots=True)
+class FileSignature:
+    """What changes when the file is edited in place, replaced by a rename, or swapped behind symlinks."""
+
+    realpath: str
+    device: int
+    inode: int
+    mtime_ns: int
+    size: int
+
+
+def file_signature(path: str | os.PathLike[str]) -> FileSignature | None:
+    """The signature of the file ``path`` resolves to now; None when it does not exist (mid-swap, deleted)."""
+    try:
+        st = os.stat(path)  # follows symlinks: the file a ConfigMap's ``..data`` points at now
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    return FileSignature(real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class ConfigWatcher:
+    """Polls one file; ``poll()`` answers True when its content differs from what was seen or is in force."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_change: Callable[[], Awaitable[object]],
+        current_digest: Callable[[], str],
+        *,
+        interval_s: float = 1.0,
+        recheck_every: int = 10,
+    ) -> None:
+        self.path = os.fspath(path)
+        self._on_change = on_change
+        self._current = current_digest
+        self.interval_s = interval_s
+        self._recheck_every = max(1, recheck_every)
+        self._signature: FileSignature | None = None  # None first: the first poll compares with the config in force
+        self._seen: str | None = None  # the hash last handed on
+        self._polls = 0
+        self.changes = 0  # contents handed on
+
+    def poll(self) -> bool:
+        """One look at the file (blocking I/O: stat, and a read when the signature changed)."""
+        self._polls += 1
+        sig = file_signature(self.path)
+        if sig is None:
+            self._signature = None  # gone for now: its return is a change
+            return False
+        if sig == self._signature and self._polls % self._recheck_every != 0:
+            return False
+        try:
+            text = read_config(self.path)
+        except RulesError:
+            return False  # vanished between stat and read (a swap): the next poll sees the new one
+        self._signature = sig
+        digest = config_digest(text)
+        if digest == self._seen or digest == self._current():
+            self._seen = digest
+            return False
+        self._seen = digest
+        self.changes += 1
+        return True
+
+    async def run(self) -> None:
+        await run_every(
+            self._poll_once,
+            lambda: self.interval_s,
+            what=f"config watcher: polling {self.path}",
+            log=logger,
+            sleep_first=True,
+        )
+
+    async def _poll_once(self) -> None:
+        if await asyncio.to_thread(self.poll):
+            await self._on_change()
+
+
+# ---------------------------------------------------------------------------------------------- old clients
+
+
+class ClientRetirer:
+    """Closes the clients of a replaced config once nothing uses them (``close_all`` at shutdown)."""
+
+    def __init__(self, *, min_grace_s: float = 2.0, check_s: float = 0.5, margin_s: float = 5.0) -> None:
+        self.min_grace_s = min_grace_s  # covers a request that read the old config but has not counted itself yet
+        self.check_s = check_s
+        self.margin_s = margin_s
+        self._pending: set[PoolClient] = set()
+        self._closed: set[PoolClient] = set()  # retired and closed once; closed again at shutdown
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def retire(self, clients: Collection[PoolClient], pools: Mapping[str, PoolState]) -> None:
+        """``clients``: those the new config no longer uses; ``pools``: the old config's pools (in-flight counts)."""
+        if not clients:
+            return
+        self._pending.update(clients)
+        task = asyncio.create_task(self._close_when_idle(list(clients), pools), name="specgate-retire-clients")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def _close_when_idle(self, clients: list[PoolClient], pools: Mapping[str, PoolState]) -> None:
+        # The session's total timeout bounds every request made through it: past it, closing cuts nothing.
+        limit = max(c.spec.timeouts.total_s for c in clients) + self.margin_s
+        names = {c.spec.name for c in clients}
+        started = time.monotonic()
+        await asyncio.sleep(self.min_grace_s)
+        # Conservative: endpoints carried over to the new config share their in-flight counters with it.
+        while time.monotonic() - started < limit:
+            if not any(pools[n].in_flight for n in names if n in pools):
+                break
+            await asyncio.sleep(self.check_s)
+        for c in clients:
+            await self._close(c)
+
+    async def _close(self, client: PoolClient) -> None:
+        # Kept in _closed: a request of a kept pool falling back onto a retired one may reopen its session, and
+        # close_all closes it again at shutdown (closing twice is harmless).
+        self._pending.discard(client)
+        self._closed.add(client)
+        try:
+            await client.close()
+        except Exception:
+            logger.exception("closing the client of the replaced pool %s failed", client.spec.name)
+
+    async def close_all(self) -> None:
+        """Shutdown: stop waiting and close every retired client (a straggler may have reopened its session)."""
+        await cancel_and_wait(self._tasks)
+        for c in list(self._pending | self._closed):
+            await self._close(c)
+
+
+# ---------------------------------------------------------------------------------------------- SIGHUP
+
+
+def add_sighup_handler(callback: Callable[[], object]) -> bool:
+    """SIGHUP → ``callback`` on the running loop; False where that is impossible (not the main thread, Windows)."""
+    sig = getattr(signal, "SIGHUP", None)
+    if sig is None:
+        return False
+    try:
+        asyncio.get_running_loop().add_signal_handler(sig, callback)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def remove_sighup_handler() -> None:
+    sig = getattr(signal, "SIGHUP", None)
+    if sig is None:
+        return
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().remove_signal_handler(sig)
+
+
+# ---------------------------------------------------------------------------------------------- the reload
+
+
+class ReloadTarget(Protocol):
+    """What a reload reads and swaps on the process's runtime (``gateway.runtime.container.Runtime``)."""
+
+    settings: Settings
+    live: LiveConfig
+    metrics: GatewayMetrics
+    overrides: OverrideManager
+
+    async def apply_overrides(self) -> Any: ...
+
+
+class Reloader:
+    """The reload of one runtime: triggers, the serialised attempt, its metrics, log lines and audit record."""
+
+    def __init__(self, runtime: ReloadTarget, *, watch_interval_s: float = 1.0) -> None:
+        self._rt = runtime
+        self.watch_interval_s = watch_interval_s  # 0: no file watcher
+        self.retirer = ClientRetirer()
+        self.watcher: ConfigWatcher | None = None
+        self.last: ReloadResult | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sighup = False
+        runtime.metrics.set_config(str(runtime.live.rules.version), runtime.live.digest)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On the running loop (the lifespan): the SIGHUP handler and the file watcher."""
+        self._sighup = add_sighup_handler(self._on_sighup)
+        if self.watch_interval_s > 0:
+            rt = self._rt
+            self.watcher = ConfigWatcher(
+                rt.settings.rules,
+                lambda: self.reload("watch"),
+                lambda: rt.live.digest,
+                interval_s=self.watch_interval_s,
+            )
+            self._spawn(self.watcher.run(), "specgate-config-watch")
+
+    async def stop(self) -> None:
+        if self._sighup:
+            remove_sighup_handler()
+            self._sighup = False
+        await cancel_and_wait(self._tasks)
+        await self.retirer.close_all()
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_sighup(self) -> None:
+        logger.info("SIGHUP: reloading the routing YAML %s", self._rt.settings.rules)
+        self._spawn(self.reload("sighup"), "specgate-config-sighup")
+
+    # -- the attempt -----------------------------------------------------------------------------------------
+
+    async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:
+        """Re-read, validate and (when valid and new) swap the routing YAML; never raises for a bad file."""
+        async with self._lock:
+            result = await self._attempt(trigger)
+            self.last = result
+            self._report(result, actor)
+        return result
+
+    async def _attempt(self, trigger: str) -> ReloadResult:
+
+        rt = self._rt
+        old = rt.live
+        source = str(rt.settings.rules)
+
+        def result(outcome: ReloadOutcome, **kw: Any) -> ReloadResult:
+            kw.setdefault("version", old.rules.version)
+            kw.setdefault("hash", old.digest)
+            return ReloadResult(outcome, trigger, source, previous_hash=old.digest, **kw)
+
+        try:
+            text = await asyncio.to_thread(read_config, rt.settings.rules)
+        except RulesError as exc:
+            return result("invalid", issues=tuple(exc.issues))
+        digest = config_digest(text)
+        if digest == old.digest:
+            return result("unchanged", attempted_hash=digest, message="the file is the config in force")
+        try:
+            rules = load_rules_text(text, source)
+        except RulesError as exc:
+            return result("invalid", attempted_hash=digest, issues=tuple(exc.issues))
+        try:
+            new = LiveConfig.build(rules, source, text, previous=old)
+        except Exception as exc:
+            logger.exception("config reload (%s): building the new config from %s failed", trigger, source)
+            return result("error", attempted_hash=digest, message=f"building the new config failed: {exc!r}")
+        rt.live = new  # the swap: requests from here on see the new config; those in flight keep the old one
+        self.retirer.retire([c for name, c in old.clients.items() if new.clients.get(name) is not c], old.pools)
+        dropped: list[Any] = []
+        try:
+            got: Any = rt.apply_overrides()
+            if inspect.isawaitable(got):
+                got = await got
+            dropped = list(got or ())
+        except Exception:
+            logger.exception("config reload (%s): re-applying the overrides to the new config failed", trigger)
+        message = f"loaded {source} ({old.digest} -> {new.digest})"
+        if dropped:
+            message += f"; dropped {len(dropped)} override(s) referring to removed pools or classes"
+        return result(
+            "ok",
+            version=new.rules.version,
+            hash=new.digest,
+            attempted_hash=digest,
+            dropped_overrides=tuple(dropped),
+            message=message,
+        )
+
+    def _report(self, r: ReloadResult, actor: str | None) -> None:
+        rt = self._rt
+        rt.metrics.config_reloads.labels(r.result).inc()
+        if r.result == "ok":
+            rt.metrics.set_config(str(r.version), r.hash)
+            logger.info("config reload (%s): %s", r.trigger, r.message)
+            for o in r.dropped_overrides:
+                logger.warning("config reload (%s): override dropped: %s", r.trigger, jsonable(o))
+        elif r.result == "invalid":
+            logger.error(
+                "config reload (%s): %s rejected with %d error(s); the last good config (%s) keeps serving",
+                r.trigger,
+                r.source,
+                len(r.issues),
+                r.hash,
+            )
+            for issue in r.issues:
+                logger.error("config reload (%s): %s: %s", r.trigger, r.source, issue)
+        elif r.result == "error":
+            logger.error(
+                "config reload (%s): %s; the last good config (%s) keeps serving", r.trigger, r.message, r.hash
+            )
+        else:
+            logger.info("config reload (%s): %s unchanged (%s)", r.trigger, r.source, r.hash)
+        who = actor or default_actor(r.trigger)
+        reason = r.error_message() if r.result == "invalid" else r.message
+        detail = r.as_dict()
+        rt.overrides.record(AuditRecord.now(who, "config_reload", "config", reason, detail))  # the store's audit log
