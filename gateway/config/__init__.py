@@ -1,0 +1,8 @@
+"""Configuration: the process settings and the routing YAML.
+
+- ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``).
+- ``schema``: the routing YAML as strict pydantic models; ``checks``: whole-document checks;
+  ``loader``: parse + validate with errors that name the YAML path and line; ``jsonschema``: the editor schema.
+
+The live snapshot built from a loaded YAML, and its hot reload, are in ``gateway.runtime``.
+"""

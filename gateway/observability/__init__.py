@@ -1,0 +1,6 @@
+"""What the gateway tells operators about itself.
+
+- ``metrics``: the ``specgate_*`` Prometheus metrics (own registry; multiprocess-aware with ``--workers``).
+- ``logs``: one JSON line per request and per event.
+- ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
+"""

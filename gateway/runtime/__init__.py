@@ -1,0 +1,6 @@
+"""The running process: the config in force, its hot reload, and the container that wires everything.
+
+- ``live``: ``LiveConfig``: everything built from one routing YAML (rules, classifier, pools, clients), swapped whole.
+- ``reload``: triggers (file watch, SIGHUP, admin), validation first, one reference swap, old clients retired.
+- ``container``: ``Runtime``: settings, live config, metrics, store, overrides, controllers and background tasks.
+"""

@@ -1,1 +1,1 @@
-"""Test doubles for the gateway: a small, deterministic fake of ``vllm serve`` (see ``fake_upstream``)."""
+"""Test doubles shipped with the package: ``fake_upstream``, a scriptable vLLM stand-in for fault tests."""
