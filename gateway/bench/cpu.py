@@ -1,10 +1,10 @@
 """CPU time of the benchmark's processes, so that a report can show the harness was not the bottleneck.
 
 A policy sweep is only a measurement of the simulated GPUs if no Python event loop in the rig (the load generator,
-the gateway, a simulated server) ran out of CPU: a saturated loop adds queueing that looks like server latency
-(DESIGN.md, "Benchmark budget"). ``CpuMeter`` reads each process's user + system time (Linux ``/proc``; elsewhere
-it reports nothing) at the start and end of a load point; ``busy`` is CPU seconds per wall second, 1.0 being one
-core kept busy the whole time.
+the gateway, a simulated server) ran out of CPU: a saturated loop adds queueing that looks like server latency (on 2
+cores every SSE event crosses three Python processes). ``CpuMeter`` reads each process's user + system time (Linux
+``/proc``; elsewhere it reports nothing) at the start and end of a load point; ``busy`` is CPU seconds per wall
+second, 1.0 being one core kept busy the whole time.
 """
 
 from __future__ import annotations

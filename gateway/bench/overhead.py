@@ -272,7 +272,7 @@ def bench_overhead(
     return rows, StreamCost(ttft50, ttft99, short, long)
 
 
-TARGET_ADDED_P50_MS = 0.5  # issue 7, "Done means": one worker, 1 connection
+TARGET_ADDED_P50_MS = 0.5  # the overhead targets: one worker, 1 connection
 TARGET_RPS_32 = 3000  # non-streaming, 32 connections, load tool and upstream on the same 2-core machine
 TARGET_ADDED_TTFT_MS = 1.0  # streams, p50
 

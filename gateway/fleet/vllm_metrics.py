@@ -13,9 +13,9 @@ counter snapshots. Rules:
   ``stale_after_s``. Stale data reads as None, never as 0.
 - counter reset (a server restart): any counter lower than in the previous snapshot, or a changed ``_created``
   timestamp. The window starts again from the new snapshot: no negative rate, no absurd one.
-- acceptance over the window, from counter deltas (VLLM.md): rate = Δaccepted / Δdraft_tokens, mean acceptance
-  length = 1 + Δaccepted / Δdrafts, per position = Δaccepted_per_pos[i] / Δdrafts. None when the window has no
-  drafts (a standard server, an idle one).
+- acceptance over the window, from counter deltas (vLLM has no acceptance gauge): rate = Δaccepted /
+  Δdraft_tokens, mean acceptance length = 1 + Δaccepted / Δdrafts, per position = Δaccepted_per_pos[i] / Δdrafts.
+  None when the window has no drafts (a standard server, an idle one).
 - between scrapes the gateway's own in-flight count moves the scraped numbers: requests sent since the scrape join
   the queue; requests finished since leave the queue first (a waiting request takes the freed slot), then the batch.
 
@@ -136,7 +136,7 @@ def parse_vllm_metrics_bytes(body: bytes, names: MetricNames) -> VllmSample:
 
 @dataclass(frozen=True, slots=True)
 class Acceptance:
-    """Speculative decoding over a window (VLLM.md): never built from a window without drafts."""
+    """Speculative decoding over a window, from counter deltas: never built from a window without drafts."""
 
     rate: float  # Δaccepted / Δdraft_tokens
     mean_length: float  # 1 + Δaccepted / Δdrafts (with the bonus token)

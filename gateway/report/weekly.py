@@ -50,7 +50,7 @@ GUARD_REASONS = ("acceptance_floor", "latency_regression", "locked")
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """The playbook's numbers (seeds/001)."""
+    """The thresholds of the recommendations (the same as the alert rules' where they overlap)."""
 
     accept_critical: float = 0.3  # Phase 4 CriticalAcceptRatio: < 0.3 → switch to standard decoding now
     accept_low: float = 0.5  # Phase 4 LowAcceptRatio, troubleshooting 1: < 0.5 → replace the draft or disable SD

@@ -1,10 +1,10 @@
 """vLLM 0.33's Prometheus metrics (V1 engine), exactly: names, types, labels, buckets, ``_total``/``_created``.
 
-Only the series in VLLM.md's table are served (vLLM has more, e.g. prefix-cache counters, that the gateway never
-reads). Every series carries ``model_name`` and ``engine`` (``"0"``) except ``vllm:admission_rejections_total``
-(``model_name``, ``reason``); every label child is created up front, as vLLM does, so a fresh server already shows
-zeros. The four ``vllm:spec_decode_*`` counters exist only on a speculative server, with ``position`` 0…K−1.
-Latencies are observed in SIMULATED seconds. Registry of its own (never the global default).
+Only the series the gateway and the dashboards read are served (vLLM has more, e.g. prefix-cache counters). Every
+series carries ``model_name`` and ``engine`` (``"0"``) except ``vllm:admission_rejections_total`` (``model_name``,
+``reason``); every label child is created up front, as vLLM does, so a fresh server already shows zeros. The four
+``vllm:spec_decode_*`` counters exist only on a speculative server, with ``position`` 0…K−1. Latencies are observed
+in SIMULATED seconds. Registry of its own (never the global default).
 
 The engine observes many values per step; ``observe_n`` adds n equal observations at the cost of one (the inter-token
 latency of every sequence in a step is usually the same number).

@@ -2,7 +2,7 @@
 
 The named deployments (presets) built from these cost models live in ``gateway.sim.presets``.
 
-One engine step with continuous batching (VLLM.md, "A faithful, cheap latency model"):
+One engine step with continuous batching (a cheap latency model that still reproduces vLLM's published numbers):
 
 - standard step: ``T = δ + γ·N_decode + γ_prefill·N_prefill + α·N_kv + ε``;
 - speculative step with K drafts: ``T = T_draft + δ + γ·B·(K+1) + γ_prefill·N_prefill + α·N_kv + ε`` — the target
@@ -11,9 +11,9 @@ One engine step with continuous batching (VLLM.md, "A faithful, cheap latency mo
 - each decoding sequence then emits ``accepted + 1`` tokens, ``accepted`` SAMPLED from the truncated geometric
   distribution with that request's acceptance ``a`` (never the mean: the mean hides the p99).
 
-Acceptance depends on the request: a base by temperature (the seeds' 0.81/0.71/0.52/0.38 at 0/0.4/0.8/1.0) times a
-factor per (proposer family, task), clipped, then one draw per request from a Beta distribution around that mean,
-so a "good" class still has requests that are bad for speculation.
+Acceptance depends on the request: a base by temperature (0.81/0.71/0.52/0.38 at 0/0.4/0.8/1.0, typical of a draft
+model) times a factor per (proposer family, task), clipped, then one draw per request from a Beta distribution
+around that mean, so a "good" class still has requests that are bad for speculation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Presets of the simulator: what each modelled deployment costs per engine step (values from VLLM.md).
+"""Presets of the simulator: what each modelled deployment costs per engine step (fitted to published numbers).
 
 A preset is plain data (``physics.Preset``); ``get_preset`` looks one up by the name ``specgate sim --preset`` takes.
 """
@@ -11,10 +11,10 @@ from types import MappingProxyType
 
 from gateway.sim.physics import DraftCost, Preset, TargetCost
 
-# EAGLE-style head, VLLM.md: "about 2.1 ms + 8.4e-7·B·K + 2.4e-9·N_kv" (one pass whatever K). MTP and DFlash heads
+# EAGLE-style head: about 2.1 ms + 8.4e-7·B·K + 2.4e-9·N_kv (one pass whatever K). MTP and DFlash heads
 # are single-pass drafters of similar size, so they share it.
 _HEAD = DraftCost(delta_s=2.1e-3, gamma_s=8.4e-7, alpha_s=2.4e-9, gamma_prefill_s=2.0e-6)
-# n-gram / suffix lookup runs on the CPU: a small constant plus a little per drafted token ("≈ 0" in VLLM.md).
+# n-gram / suffix lookup runs on the CPU: a small constant plus a little per drafted token (next to nothing).
 _NGRAM = DraftCost(delta_s=1.0e-4, gamma_s=2.5e-7, alpha_s=0.0)
 _SUFFIX = DraftCost(delta_s=2.0e-4, gamma_s=5.0e-7, alpha_s=0.0)
 
@@ -36,12 +36,12 @@ def _drafts(draft_model: DraftCost) -> Mapping[str, DraftCost]:
 LLAMA70B_4XH100 = Preset(
     name="llama70b-4xh100",
     description="Llama-3-70B dense, BF16, TP=4 on 4×H100 80GB (the vLLM blog's speculative-decoding setup)",
-    # δ=14 ms, ε=1.2 ms, α=2.4e-8 s/KV token and prefill 80 µs/token are VLLM.md's anchors. γ: VLLM.md gives
+    # δ=14 ms, ε=1.2 ms, α=2.4e-8 s/KV token and prefill 80 µs/token are the model's anchors for this deployment. γ:
     # 60–80 µs per batched token; 70 µs (the middle) with the draft model below reproduces the worked example
     # (K=4, a=0.7, 1,500-token contexts): speedup 1.61× at batch 1, 1.44× at 16, 1.16× at 64, 1.01× at 128,
     # 0.89× at 256 (published: 1.60, 1.43, 1.15, ≈1.0, 0.89).
     target=TargetCost(delta_s=14e-3, gamma_s=70e-6, gamma_prefill_s=80e-6, alpha_s=2.4e-8, epsilon_s=1.2e-3),
-    # A 0.5B draft (Qwama-0.5B in the blog): δ_d=2.7 ms (VLLM.md: 2–3 ms; 2.7 puts batch 1 at 1.60×), 4 µs per
+    # A 0.5B draft (Qwama-0.5B in the blog): δ_d=2.7 ms (2–3 ms for such a draft; 2.7 puts batch 1 at 1.60×), 4 µs per
     # sequence and 2e-9 s per KV token per pass (≈7 µs per 1,500-token sequence), which sets the decline to 0.89× at
     # batch 256. The draft model re-reads the prompt at 4 µs/token.
     drafts=_drafts(DraftCost(delta_s=2.7e-3, gamma_s=4e-6, alpha_s=2e-9, gamma_prefill_s=4e-6, sequential=True)),
@@ -55,7 +55,7 @@ LLAMA70B_4XH100 = Preset(
 
 LLAMA8B_H100 = Preset(
     name="llama8b-h100",
-    description="Llama-3.1-8B, BF16, on one H100 80GB (VLLM.md's fitted step model)",
+    description="Llama-3.1-8B, BF16, on one H100 80GB (a step model fitted to measurements)",
     # Fitted: step = 3.93e-8·N_kv + 2.10e-5·N_batched + 5.89 ms, plus 1.21 ms overhead → δ=5.89 ms, ε=1.21 ms, and
     # the fit's single per-token slope for decode and prefill tokens alike.
     target=TargetCost(delta_s=5.89e-3, gamma_s=2.10e-5, gamma_prefill_s=2.10e-5, alpha_s=3.93e-8, epsilon_s=1.21e-3),

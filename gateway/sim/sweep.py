@@ -1,10 +1,10 @@
 """Open-loop QPS sweeps of one simulated server, with and without speculative decoding.
 
-Reproduces the shape of the vLLM blog's measurement (VLLM.md, "Published behaviour of speculative decoding under
-load"): Llama-3-70B on 4×H100, K=4, end-to-end latency at QPS 1, 2, 4, 8, 10, for a draft model on ShareGPT-like
-chat and for ngram on CNN/DailyMail-like summarisation. Arrivals are Poisson in simulated time (open loop: the
-offered load does not drop when the server slows down). The engine runs in-process on its simulated clock, so a
-sweep takes (simulated duration × time scale) of wall time per point.
+Reproduces the shape of the vLLM blog's measurement of speculative decoding under load: Llama-3-70B on 4×H100, K=4,
+end-to-end latency at QPS 1, 2, 4, 8, 10, for a draft model on ShareGPT-like chat and for ngram on
+CNN/DailyMail-like summarisation. Arrivals are Poisson in simulated time (open loop: the offered load does not drop
+when the server slows down). The engine runs in-process on its simulated clock, so a sweep takes (simulated duration
+× time scale) of wall time per point.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ WORKLOADS = {
     ),
 }
 
-# Read from the blog's charts (VLLM.md): end-to-end seconds at QPS 1, 2, 4, 8, 10.
+# Read from the blog's charts: end-to-end seconds at QPS 1, 2, 4, 8, 10.
 PUBLISHED = {
     ("sharegpt", "draft_model"): {1: 1.65, 2: 1.75, 4: 2.27, 8: 3.4, 10: 4.8},
     ("sharegpt", None): {1: 2.55, 2: 2.6, 4: 2.95, 8: 3.5, 10: 3.43},
