@@ -3,8 +3,9 @@ what the gateway knows and why it routes as it does. ``specgate explain`` is its
 
 Routes (every answer JSON; every error the OpenAI envelope ``{"error": {message, type, param, code}}``)::
 
-    GET  /admin/state                  pools (endpoints, health, weights, in-flight, scraped load), classes (route,
-                                       controller snapshot), the routing YAML in force, the audit log's size
+    GET  /admin/state                  pools (endpoints, health, weights, in-flight, ejection, scraped load), classes
+                                       (route, controller snapshot), the routing YAML in force, the audit log's size,
+                                       the store, and ``admin``: whether changes are allowed, the TTL defaults
     POST /admin/explain[?path=P]       the body is the request exactly as a client would POST it to P (default
                                        /v1/chat/completions; also /v1/completions, /v1/embeddings); classification
                                        headers (``X-Task-Type``) are read from this request's own headers. Answers
@@ -15,6 +16,8 @@ Routes (every answer JSON; every error the OpenAI envelope ``{"error": {message,
     POST /admin/reload                 re-read the routing YAML (``gateway.runtime.reload``): 200 {"result": "ok" |
                                        "unchanged", "version", "hash", "dropped_overrides", ...}; 422 invalid, the
                                        envelope with error.errors: [{path, line, message}, ...] (nothing changed)
+    GET  /admin/ui                     the on-call console (``gateway.admin.ui``): a page with no data in it, so
+                                       it answers without the token; the page sends the token with every call
 
 Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a flag, so it does not show in ``ps``).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +51,7 @@ from gateway.admin.changes import actor_of, change_routes, read_routes
 from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dict
 from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
+from gateway.admin.ui import ui_routes
 from gateway.errors import GatewayError, InvalidParameter, Unauthorized
 from gateway.proxy.app import _gateway_error, _http_error, _internal_error, _json, _parse_object, _read_body
 from gateway.proxy.wire import envelope
@@ -58,10 +63,17 @@ MAX_AUDIT_LIMIT = 1000
 class AdminAuth:
     """ASGI middleware in front of every admin route: the token policy of the module docstring."""
 
-    def __init__(self, app: ASGIApp, token: str | None, changes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        changes: Sequence[BaseRoute] = (),
+        public: Sequence[BaseRoute] = (),
+    ) -> None:
         self.app = app
         self._digest = None if token is None else hashlib.sha256(token.encode()).digest()
         self._changes = tuple(changes)
+        self._public = tuple(public)  # the console's shell: no data, so no token (``gateway.admin.ui``)
 
     def _check(self, authorization: str | None) -> GatewayError | None:
         if self._digest is None:
@@ -76,6 +88,9 @@ class AdminAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if any(r.matches(scope)[0] == Match.FULL for r in self._public):
             await self.app(scope, receive, send)
             return
         response: Response | None = None
@@ -104,6 +119,7 @@ def _runtime(request: Request) -> Runtime:
 def state_dict(rt: Runtime) -> dict[str, Any]:
     """Everything /admin/state shows: numbers the gateway does not know are null, never 0."""
     live = rt.live
+    now = time.monotonic()
     views = live.views()
     loads = rt.scraper.views()
     snapshots = rt.routing.snapshot()
@@ -126,6 +142,8 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
                     "effective_weight": e.weight,
                     "in_flight": e.in_flight,
                     "consecutive_failures": e.consecutive_failures,
+                    "ejected": e.ejected,
+                    "ejected_for_s": max(0.0, e.ejected_until - now) if e.ejected else None,
                     "last_error": e.last_error,
                 }
                 for e in pool.endpoints
@@ -168,7 +186,16 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
 
 
 async def get_state(request: Request) -> Response:
-    return _json(state_dict(_runtime(request)))
+    rt = _runtime(request)
+    state = state_dict(rt)
+    admin = rt.live.rules.admin
+    state["now"] = time.time()  # the console counts TTLs down on the gateway's clock, not the browser's
+    state["admin"] = {
+        "changes_allowed": bool(request.app.state.changes_allowed),
+        "default_ttl_s": admin.default_ttl_s,
+        "max_ttl_s": admin.max_ttl_s,
+    }
+    return _json(state)
 
 
 async def get_openapi(request: Request) -> Response:
@@ -274,9 +301,10 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
         Route("/admin/reload", post_reload, methods=["POST"]),
         *change_routes(),  # on-call overrides (gateway.admin.changes)
     ]
+    public = ui_routes()  # the console's page and files: they carry no data
     app = Starlette(
-        routes=routes + changes,
-        middleware=[Middleware(AdminAuth, token=token, changes=changes)],
+        routes=routes + changes + public,
+        middleware=[Middleware(AdminAuth, token=token, changes=changes, public=public)],
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
@@ -284,6 +312,7 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
         },
     )
     app.state.runtime = runtime
+    app.state.changes_allowed = token is not None
     # The audit's actor without an X-Specgate-Actor header. Nothing derived from the token: the audit is readable
     # by more people than the token, and a hash of a weak token can be guessed offline.
     app.state.admin_actor = "admin"

@@ -72,6 +72,23 @@ def _read(summary: str, ok: dict[str, Any], params: list[dict[str, Any]] | None 
     return op
 
 
+def _public(summary: str, media_type: str, params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A file of the console (``gateway.admin.ui``): the same bytes for everyone, so no token (``security: []``);
+    the page then calls the other routes with the token."""
+    op: dict[str, Any] = {
+        "summary": summary,
+        "tags": ["console"],
+        "security": [],
+        "responses": {
+            "200": {"description": "The file, with a strict Content-Security-Policy.", "content": {media_type: {}}},
+            "404": _err("NotFound"),
+        },
+    }
+    if params:
+        op["parameters"] = params
+    return op
+
+
 def _schemas() -> dict[str, Any]:
     nullable_str = {"type": ["string", "null"]}
     nullable_num = {"type": ["number", "null"]}
@@ -240,19 +257,34 @@ def _schemas() -> dict[str, Any]:
         "StateAnswer": {
             "type": "object",
             "description": "Unknown numbers are null, never 0.",
-            "required": ["config", "pools", "classes"],
+            "required": ["config", "pools", "classes", "admin", "now"],
             "properties": {
                 "config": {"type": "object", "description": "source, digest/hash, version, loaded_at"},
                 "pools": {
                     "type": "object",
                     "description": "by pool name: kind, models, endpoints (id, url, healthy, routable, weights, "
-                    "in_flight), in_flight, scraped load and acceptance",
+                    "in_flight, ejected, ejected_for_s), in_flight, scraped load and acceptance, overrides",
                     "additionalProperties": {"type": "object"},
                 },
                 "classes": {"type": "array", "items": {"type": "object"}},
                 "embeddings_pool": nullable_str,
+                "overrides": override_list,
+                "store": {"type": "object", "description": "idempotency: the store's health; overrides: its sync"},
                 "audit": {"type": "object"},
                 "started_at": {"type": "number"},
+                "now": {"type": "number", "description": "the gateway's clock, epoch seconds"},
+                "admin": {
+                    "type": "object",
+                    "required": ["changes_allowed", "default_ttl_s", "max_ttl_s"],
+                    "properties": {
+                        "changes_allowed": {
+                            "type": "boolean",
+                            "description": "false: the gateway runs without an admin token and refuses every change",
+                        },
+                        "default_ttl_s": {"type": "number", "description": "admin.default_ttl_s of the YAML"},
+                        "max_ttl_s": {"type": "number", "description": "admin.max_ttl_s of the YAML"},
+                    },
+                },
             },
         },
     }
@@ -358,6 +390,14 @@ def openapi() -> dict[str, Any]:
                 [_path_param("id", "ovr_<12 hex>"), reason_query],
                 None,
                 _ok("The override removed.", _ref("RemovedOneAnswer")),
+            )
+        },
+        "/admin/ui": {"get": _public("The on-call console: one HTML page (no data in it)", "text/html")},
+        "/admin/ui/assets/{name}": {
+            "get": _public(
+                "A file of the console: console.css, main.js, api.js, view.js, panels.js, actions.js",
+                "text/javascript",
+                [_path_param("name", "the file's name")],
             )
         },
         "/admin/reload": {
