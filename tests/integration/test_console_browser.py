@@ -201,6 +201,19 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
     expect(spec.locator("tbody tr")).to_have_count(1)
     expect(spec.locator("tbody")).to_contain_text("healthy")
 
+    # keyboard: a focused button opens its dialog with Enter, Escape cancels, focus comes back across redraws
+    drain = spec.get_by_role("button", name="Drain")
+    drain.focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#confirm")).to_be_visible()
+    expect(page.locator("#confirm-reason")).to_be_focused()
+    page.wait_for_timeout(2500)  # at least one refresh redraws the pools behind the dialog
+    page.keyboard.press("Escape")
+    expect(page.locator("#confirm")).not_to_be_visible()
+    expect(drain).to_be_focused()
+    page.wait_for_timeout(2500)
+    expect(drain).to_be_focused()  # a redraw keeps it
+
     # drain spec: reason and TTL required, the confirmation names the effect
     spec.get_by_role("button", name="Drain").click()
     expect(page.locator("#confirm")).to_be_visible()

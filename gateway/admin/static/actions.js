@@ -29,6 +29,8 @@ function showError(err) {
 //        run(values) -> Promise, done(result) -> notice text}
 function openDialog(ctx, spec) {
   const dialog = $("confirm");
+  // The button that opened the dialog may be redrawn while it is open: give focus back to its successor.
+  const opener = document.activeElement ? document.activeElement.getAttribute("data-key") : null;
   $("confirm-title").textContent = spec.title;
   $("confirm-weight-row").hidden = spec.weight === undefined;
   $("confirm-ttl-row").hidden = !spec.ttl;
@@ -59,6 +61,8 @@ function openDialog(ctx, spec) {
     $("confirm-cancel").removeEventListener("click", cancel);
     dialog.removeEventListener("close", close);
     if (dialog.open) dialog.close();
+    const again = opener ? document.querySelector(`[data-key="${CSS.escape(opener)}"]`) : null;
+    if (again) again.focus();
   };
   const cancel = () => close();
   const submit = async (event) => {
