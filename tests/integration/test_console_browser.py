@@ -161,6 +161,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 def shot(page: Any, name: str, *, full: bool = True) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    if full:  # from the top, or the sticky header is drawn where the page was scrolled to
+        page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(ARTIFACTS / name), full_page=full)
 
 
