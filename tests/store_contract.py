@@ -146,3 +146,25 @@ class StoreContract:
 
     async def test_ping_answers(self, store: Store) -> None:
         await store.ping()
+
+    # -- remember / recall (where a Responses API response lives) ---------------------------------------------------
+
+    async def test_remember_and_recall(self, store: Store) -> None:
+        assert await store.recall("resp:a") is None
+        await store.remember("resp:a", b'{"pool": "p"}', ttl_ms=TTL_MS)
+        assert await store.recall("resp:a") == b'{"pool": "p"}'
+        await store.remember("resp:a", b"newer", ttl_ms=TTL_MS)
+        assert await store.recall("resp:a") == b"newer"
+        assert await store.recall("resp:b") is None
+
+    async def test_remembered_values_are_binary_safe(self, store: Store) -> None:
+        await store.remember("resp:k", BODIES["non-utf8"], ttl_ms=TTL_MS)
+        assert await store.recall("resp:k") == BODIES["non-utf8"]
+        assert isinstance(await store.claim("idem:k", "fp", lease_ms=LEASE_MS), Claimed)  # callers prefix apart
+        assert await store.recall("resp:k") == BODIES["non-utf8"]
+
+    async def test_remembered_value_expires(self, store: Store) -> None:
+        await store.remember("short", b"v", ttl_ms=150)
+        assert await store.recall("short") == b"v"
+        await asyncio.sleep(0.3)
+        assert await store.recall("short") is None

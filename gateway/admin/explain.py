@@ -38,7 +38,12 @@ from gateway.runtime.live import LiveConfig
 
 # The client paths explain covers, and the classifier's endpoint for each (None: embeddings, not classified).
 ENDPOINTS: Mapping[str, Endpoint | None] = MappingProxyType(
-    {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": None}
+    {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completions",
+        "/v1/responses": "responses",
+        "/v1/embeddings": None,
+    }
 )
 DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
 

@@ -19,7 +19,7 @@ Loc = tuple[str | int, ...]
 BUILTIN_TASK_TYPES = frozenset(
     {"chat", "code", "summarization", "extraction", "rag", "math", "creative", "structured", "tool_use"}
 )
-ENDPOINTS = frozenset({"chat", "completions"})
+ENDPOINTS = frozenset({"chat", "completions", "responses"})
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag", "regex", "grammar"})
 _MAX_LISTED = 12
 

@@ -123,7 +123,10 @@ class Conditions(_Strict):
     )
     model: OneOf | None = Field(None, description="The requested model name.")
     task_type: OneOf | None = Field(None, description="Task type from X-Task-Type or the task rules.")
-    endpoint: OneOf | None = Field(None, description="chat or completions.")
+    endpoint: OneOf | None = Field(None, description="chat, completions or responses (the Responses API).")
+    reasoning: OneOf | None = Field(
+        None, description="Reasoning effort asked for (reasoning.effort / reasoning_effort): none when absent."
+    )
 
     def is_empty(self) -> bool:
         return all(getattr(self, f) is None for f in type(self).model_fields)

@@ -358,12 +358,12 @@ class HostPool:
         self._ssl: ssl_mod.SSLContext | None = ssl_mod.create_default_context() if self.https else None
         self.closed = False
 
-    async def request(self, path: str, body: bytes, headers: Mapping[str, str]) -> H1Response:
-        """POST ``body`` to ``path`` and wait for the response headers.
+    async def request(self, path: str, body: bytes, headers: Mapping[str, str], *, method: str = "POST") -> H1Response:
+        """POST ``body`` to ``path`` (or send ``method``: GET) and wait for the response headers.
 
         Raises ConnectFailed, ConnectionBroken or TimeoutError. A cancelled wait closes the connection."""
         deadline = self.loop.time() + self.total_s
-        head = self._head(path, len(body), headers)
+        head = self._head(path, len(body), headers, method)
         conn = await self._acquire()
         response = H1Response(conn)
         try:
@@ -374,8 +374,9 @@ class HostPool:
             raise
         return response
 
-    def _head(self, path: str, length: int, headers: Mapping[str, str]) -> bytes:
-        lines = [f"POST {self.base_path}{path} HTTP/1.1\r\nhost: {self.host_header}\r\ncontent-length: {length}\r\n"]
+    def _head(self, path: str, length: int, headers: Mapping[str, str], method: str = "POST") -> bytes:
+        start = f"{method} {self.base_path}{path} HTTP/1.1\r\n"
+        lines = [f"{start}host: {self.host_header}\r\ncontent-length: {length}\r\n"]
         lines.extend([f"{k}: {v}\r\n" for k, v in headers.items()])
         lines.append("\r\n")
         try:

@@ -133,10 +133,13 @@ class PoolClient:
             )
         return host
 
-    async def post(self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send a request and wait for the response headers (bounded by the pool's total timeout)."""
+    async def post(
+        self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str], *, method: str = "POST"
+    ) -> UpstreamResponse:
+        """Send a request (a POST unless ``method`` says otherwise) and wait for the response headers (bounded by the
+        pool's total timeout)."""
         try:
-            raw = await self._host(ep.url).request(path, body, headers)
+            raw = await self._host(ep.url).request(path, body, headers, method=method)
         except ConnectFailed as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except TimeoutError as exc:

@@ -28,6 +28,7 @@ from gateway.errors import (
 )
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import CONTENT_TYPE, Outcome, multiprocess_dir
+from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyJob, ProxyResponse
 from gateway.proxy.headers import request_id
 from gateway.proxy.idempotency import (
@@ -41,6 +42,7 @@ from gateway.proxy.idempotency import (
     tenant_scope,
 )
 from gateway.proxy.record import RequestRecord
+from gateway.proxy.responses import Sticky, cancel_response, for_create, retrieve_response
 from gateway.proxy.wire import JSON_CONTENT_TYPE, envelope
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import decide
@@ -182,6 +184,12 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
             rec.task_type, rec.stream = d.features.task_type, d.features.stream
             extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", d.features.task_type)]
         d.check_model()
+        sticky = Sticky(None, None)
+        if endpoint == "responses":  # a follow-up goes to the endpoint holding its conversation, and only there
+            sticky = await for_create(
+                rt.store, live.pools, body, hdr.get("authorization"), live.rules.idempotency.ttl_s
+            )
+            plan, max_attempts = sticky.plan or plan, 1 if sticky.pinned else max_attempts
         rec.route_reason = plan.reason
         extra.append(("x-specgate-route", plan.reason))
         if d.klass is not None and d.klass.require_idempotency_key and idempotency_key is None:
@@ -225,6 +233,9 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         extra_headers=extra,
         parsed=body if stream else None,
         idempotency=claim,
+        dialect=ResponsesDialect() if endpoint == "responses" else CHAT,
+        pinned=sticky.pinned,
+        on_answer=sticky.on_answer,
     )
     return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
 
@@ -235,6 +246,10 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _proxy(request, "completions", "/v1/completions")
+
+
+async def responses(request: Request) -> Response:
+    return await _proxy(request, "responses", "/v1/responses")
 
 
 async def embeddings(request: Request) -> Response:
@@ -408,10 +423,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
     proxy_routes: dict[str, Handler] = {
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
+        "/v1/responses": responses,
         "/v1/embeddings": embeddings,
     }
     routes = [
         *(Route(path, handler, methods=["POST"]) for path, handler in proxy_routes.items()),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

@@ -7,9 +7,9 @@ the upstream request at once, whether the gateway was waiting for headers, the f
 The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
 for a retryable reason (connect error, timeout or no first event within the TTFT deadline, 429/5xx, an error
 event or a broken connection before the first event; ``gateway.routing.attempts``) moves on to the next candidate,
-within
-``max_attempts`` and the process's retry budget. After it nothing is ever re-sent: a stream that breaks ends with
-an explicit error event and ``[DONE]``.
+within ``max_attempts`` and the process's retry budget. After it nothing is ever re-sent: a stream that breaks ends
+with the explicit failure of its API (``gateway.proxy.dialect``: an error event and ``[DONE]`` for chat).
+A request pinned to one endpoint (a Responses API follow-up to the server holding its state) tries only that one.
 
 Responses of speculative pools are read for their per-request spec-decode metrics (``gateway.proxy.stream_tap``): a
 stream sent to such a pool asks for the usage chunk that carries them, which is stripped again when the client
@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import PoolClient, UpstreamResponse
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics, Outcome
+from gateway.proxy.dialect import CHAT, ChatDialect
 from gateway.proxy.headers import client_response_headers, upstream_request_headers
 from gateway.proxy.idempotency import KeyClaim
 from gateway.proxy.record import RequestRecord
@@ -47,10 +48,7 @@ from gateway.proxy.wire import (
     SSEOverflow,
     SSESplitter,
     error_bytes,
-    is_done_event,
-    is_error_event,
     normalise_error,
-    sse_error,
 )
 from gateway.routing.attempts import (
     CREDENTIAL_STATUS,
@@ -87,6 +85,11 @@ class ProxyJob:
     extra_headers: list[tuple[str, str]]
     parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
     idempotency: KeyClaim | None = None  # the request's claim on its Idempotency-Key (records what is sent)
+    dialect: ChatDialect = CHAT  # how its stream ends and fails (gateway.proxy.dialect)
+    pinned: tuple[PoolState, EndpointState] | None = None  # the one endpoint to try (it holds the request's state)
+    method: str = "POST"
+    # Called with a 200 answer's body (a stream: its first event) before the client sees it (Responses API ids).
+    on_answer: Callable[[PoolState, EndpointState, bytes], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -163,7 +166,9 @@ class ProxyResponse(Response):
             if not self._last_send:
                 self._last_send = True
                 with contextlib.suppress(Exception):
-                    body = sse_error("internal error in the gateway", type_="internal_error", code="internal_error")
+                    body = self.job.dialect.failure(
+                        "internal error in the gateway", type_="internal_error", code="internal_error"
+                    )
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             logger.exception("error after the commit point of %s", self.job.record.request_id)
         finally:
@@ -212,6 +217,9 @@ class ProxyResponse(Response):
             return
         self._opened = opened
         rec.pool, rec.endpoint = opened.pool.name, opened.endpoint.id
+        if self.job.on_answer is not None and opened.response.status == 200:
+            first = opened.first_events[0] if opened.first_events else opened.buffered_body
+            await self.job.on_answer(opened.pool, opened.endpoint, first or b"")
         if opened.first_events is not None:
             await self._relay_stream(send, opened)
         else:
@@ -232,7 +240,8 @@ class ProxyResponse(Response):
     async def _attempts(self, lease: BudgetLease) -> _Opened:
         job, rec, metrics = self.job, self.job.record, self.metrics
         failures: list[AttemptFailure] = []
-        for n, (pool, ep) in enumerate(candidates(job.plan, self.pools, self.rng)):
+        tries = candidates(job.plan, self.pools, self.rng) if job.pinned is None else iter((job.pinned,))
+        for n, (pool, ep) in enumerate(tries):
             if n >= job.max_attempts:
                 break
             if failures:
@@ -294,7 +303,7 @@ class ProxyResponse(Response):
     ) -> _Opened:
         job, rec = self.job, self.job.record
         body, model, _ = self._request_body(pool)
-        resp = await client.post(ep, job.path, body, headers)
+        resp = await client.post(ep, job.path, body, headers, method=job.method)
         try:
             await self._check_status(pool, resp)
             body = await resp.read()
@@ -310,7 +319,7 @@ class ProxyResponse(Response):
     ) -> _Opened:
         job, rec = self.job, self.job.record
         body, model, strip = self._request_body(pool)
-        resp = await client.post(ep, job.path, body, headers)
+        resp = await client.post(ep, job.path, body, headers, method=job.method)
         try:
             await self._check_status(pool, resp)
             if resp.status != 200:  # an error answer: relayed whole, with its status
@@ -329,10 +338,10 @@ class ProxyResponse(Response):
                     events = splitter.feed(chunk)
                     if not events:
                         continue
-                    if is_error_event(events[0]):
+                    if job.dialect.is_error(events[0]):
                         raise StreamStartError(f"error event before the first token: {events[0][:200]!r}")
                     rec.upstream_first = time.perf_counter()
-                    tap = StreamTap(strip) if pool.spec.kind == "speculative" else None
+                    tap = StreamTap(strip) if pool.spec.kind == "speculative" and job.dialect.asks_usage else None
                     return _Opened(pool, ep, resp, events, splitter, None, tap, model)
             except SSEOverflow as exc:
                 raise StreamStartError(str(exc)) from exc
@@ -350,7 +359,7 @@ class ProxyResponse(Response):
         ``route.fallback_model``); whether the gateway added the usage chunk to a stream (to strip it again)."""
         job = self.job
         model = job.plan.model_for(pool.name)
-        usage = job.stream and pool.spec.kind == "speculative"
+        usage = job.stream and pool.spec.kind == "speculative" and job.dialect.asks_usage
         if model is not None:
             parsed = {**(job.parsed if job.parsed is not None else orjson.loads(job.body)), "model": model}
             with_usage = with_include_usage(parsed) if usage else None
@@ -460,7 +469,8 @@ class ProxyResponse(Response):
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"
             held = b"".join(opened.tap.flush()) if opened.tap is not None else b""
-            await send({"type": "http.response.body", "body": held + sse_error(rec.error), "more_body": True})
+            failure = self.job.dialect.failure(rec.error)
+            await send({"type": "http.response.body", "body": held + failure, "more_body": True})
         self._last_send = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if done:
@@ -472,14 +482,15 @@ class ProxyResponse(Response):
         Nothing is held back: a partial event stays in the splitter only until its end arrives.
         """
         done = False
+        dialect = self.job.dialect
         for i, event in enumerate(events):
-            if is_done_event(event):
+            if dialect.is_error(event):
+                self.outcome = "stream_error"
+                self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
+            if dialect.is_done(event):
                 events = events[: i + 1]
                 done = True
                 break
-            if is_error_event(event):
-                self.outcome = "stream_error"
-                self.job.record.error = event[6:300].decode("utf-8", "replace").strip()
         if self._tap is not None:
             events = self._tap.feed(events)
         if events:

@@ -1,6 +1,7 @@
 """Routing decisions: pure functions and state machines on plain data (no I/O; time is passed in).
 
-- ``classify``: body + headers + rules → ``RequestFeatures`` and a traffic class.
+- ``classify``: body + headers + rules → ``RequestFeatures`` and a traffic class; ``responses_features``: the same
+  features read from a Responses API body.
 - ``plan``: class + live pool views → an ordered attempt ``Plan`` (``plan_route``).
 - ``decision``: the two together for one request (``decide``), shared by the proxy and explain.
 - ``controller`` / ``route_state``: per-class controllers (hysteresis, hold, guard) and their state for all classes.

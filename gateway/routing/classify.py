@@ -17,8 +17,10 @@ import re2
 
 from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
 from gateway.errors import InvalidParameter
+from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
+from gateway.routing.responses_features import responses_inputs
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses"]
 TaskSource = Literal["header", "rule", "default"]
 TASK_HEADER = "x-task-type"
 _TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -40,6 +42,7 @@ class RequestFeatures:
     prompt_tokens: int
     task_type: str
     task_source: TaskSource
+    reasoning: str = "none"  # the reasoning effort asked for (``reasoning.effort`` / ``reasoning_effort``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,24 @@ def _completion_texts(body: Mapping[str, Any]) -> _Texts:
         if all(isinstance(p, list) for p in prompt):  # batches of token ids
             return _Texts("", "", sum(len(p) for p in prompt) * 4)
     raise InvalidParameter("'prompt' must be a string, an array of strings or of token ids", param="prompt")
+
+
+def _n_of(body: Mapping[str, Any]) -> int:
+    n_raw = body.get("n")
+    if n_raw is None:
+        return 1
+    if isinstance(n_raw, int) and not isinstance(n_raw, bool):
+        return n_raw
+    raise InvalidParameter("'n' must be an integer", param="n")
+
+
+def _response_format(body: Mapping[str, Any]) -> str:
+    rf = body.get("response_format")
+    if rf is None:
+        return "text"
+    if isinstance(rf, dict) and isinstance(rf.get("type"), str):
+        return str(rf["type"])
+    raise InvalidParameter("'response_format' must be an object with a 'type'", param="response_format")
 
 
 def _window(text: str, limit: int) -> str:
@@ -210,7 +231,7 @@ def compile_conditions(c: Conditions) -> tuple[Predicate, ...]:
         b = getattr(c, attr)
         if b is not None:
             preds.append(_bool_pred(attr, b))
-    for attr in ("response_format", "model", "task_type", "endpoint"):
+    for attr in ("response_format", "model", "task_type", "endpoint", "reasoning"):
         s = getattr(c, attr)
         if s is not None:
             preds.append(_set_pred(attr, s.in_))
@@ -236,31 +257,31 @@ class Classifier:
             raise InvalidParameter("'model' is required and must be a string", param="model")
         temperature = _number(body, "temperature", self._default_temperature)
         top_p = _number(body, "top_p", self._default_top_p)
-        max_tokens = _number(body, "max_completion_tokens", math.nan)
-        if math.isnan(max_tokens):
-            max_tokens = _number(body, "max_tokens", math.inf)
-        n_raw = body.get("n")
-        if n_raw is None:
-            n = 1
-        elif isinstance(n_raw, int) and not isinstance(n_raw, bool):
-            n = n_raw
-        else:
-            raise InvalidParameter("'n' must be an integer", param="n")
         stream_raw = body.get("stream", False)
         if stream_raw is None:
             stream_raw = False
         if not isinstance(stream_raw, bool):
             raise InvalidParameter("'stream' must be a boolean", param="stream")
-        tools_raw = body.get("tools")
-        tools = isinstance(tools_raw, list) and len(tools_raw) > 0
-        rf = body.get("response_format")
-        if rf is None:
-            response_format = "text"
-        elif isinstance(rf, dict) and isinstance(rf.get("type"), str):
-            response_format = rf["type"]
+        if endpoint == "responses":
+            r = responses_inputs(body)
+            max_tokens, n, tools, response_format, reasoning, texts = (
+                r.max_tokens,
+                1,
+                r.tools,
+                r.response_format,
+                r.reasoning,
+                _Texts(r.system, r.last_user, r.chars),
+            )
         else:
-            raise InvalidParameter("'response_format' must be an object with a 'type'", param="response_format")
-        texts = _chat_texts(body) if endpoint == "chat" else _completion_texts(body)
+            max_tokens = _number(body, "max_completion_tokens", math.nan)
+            if math.isnan(max_tokens):
+                max_tokens = _number(body, "max_tokens", math.inf)
+            n = _n_of(body)
+            tools_raw = body.get("tools")
+            tools = isinstance(tools_raw, list) and len(tools_raw) > 0
+            response_format = _response_format(body)
+            reasoning = _reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
+            texts = _chat_texts(body) if endpoint == "chat" else _completion_texts(body)
 
         task_source: TaskSource
         if task_header and _TASK_HEADER_RE.fullmatch(task_header):
@@ -285,6 +306,7 @@ class Classifier:
             prompt_tokens=int(texts.chars / self._chars_per_token),
             task_type=task,
             task_source=task_source,
+            reasoning=reasoning,
         )
 
     def traffic_class(self, features: RequestFeatures) -> TrafficClass:

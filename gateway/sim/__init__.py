@@ -8,6 +8,7 @@
 - ``wire`` / ``app`` / ``faults``: the HTTP surface of ``vllm serve``, fault injection, the ``/sim/*`` control API;
   ``wire`` re-exports ``framing``, ``parsing`` and ``pseudotext``; ``app`` uses ``state`` (``SimOptions``,
   ``SimState``) and ``call`` (one generation request).
+- ``responses``: the Responses API (``/v1/responses``, retrieve, cancel, the in-process response store).
 - ``server`` / ``tuning``: running it (``SimServer``, ``specgate sim``) and the physics/acceptance overrides by name.
 
 It shares nothing with the proxy but utilities.

@@ -1,7 +1,8 @@
 """The simulator's HTTP surface: ``vllm serve`` 0.33 on the wire, a simulated engine underneath, fault injection
 and the ``/sim/*`` control API.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not), ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not), ``POST /v1/responses``,
+``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (``responses``), ``GET /v1/models``,
 ``GET /health`` and ``GET /ping`` (200 empty; 503 when faulted or the engine is stopped), ``GET /version``,
 ``GET /metrics``; ``GET /sim/stats``, ``GET/PUT /sim/faults``, ``POST /sim/faults/reset``, ``GET /sim/options``.
 ``--api-key`` protects ``/v1/*`` only, like vLLM's middleware.
@@ -18,6 +19,7 @@ Refusing connections needs the server socket: the app's ``FaultState`` holds a `
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Mapping
@@ -31,9 +33,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.sim import responses as sim_responses
 from gateway.sim import wire
 from gateway.sim.call import _error, _GenerationCall, _json
-from gateway.sim.faults import MALFORMED_METRICS, Faults
+from gateway.sim.faults import MALFORMED_METRICS, Faults, RequestFaults
 from gateway.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.sim.state import TASK_HEADER, SimOptions, SimState, sim_state
 
@@ -88,6 +91,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 def create_sim_app(options: SimOptions) -> Starlette:
     """A simulated ``vllm serve``. The engine starts and stops with the app's lifespan."""
     state = SimState(options)
+    store = sim_responses.ResponseStore(options.enable_responses_store)
     served = options.names
 
     async def parse_body(request: Request) -> dict[str, Any]:
@@ -99,6 +103,16 @@ def create_sim_app(options: SimOptions) -> Starlette:
             raise wire.WireError(400, "The request body must be a JSON object.")
         return body
 
+    def admit() -> Response | RequestFaults:
+        """The injected faults of an admitted request, or the error answer (injected, or the engine stopped)."""
+        faults = state.faults.draw()
+        if faults.error_status is not None:
+            state.counts["error"] += 1
+            return _error(wire.WireError(faults.error_status, "Injected failure (simulator fault injection)."))
+        if not state.alive:
+            return _error(wire.WireError(500, "The engine is not running."))
+        return faults
+
     async def generate(request: Request, kind: wire.Kind) -> Response:
         state.counts["requests"] += 1
         try:
@@ -108,15 +122,58 @@ def create_sim_app(options: SimOptions) -> Starlette:
             )
         except wire.WireError as exc:
             return _error(exc)
-        faults = state.faults.draw()
-        if faults.error_status is not None:
-            state.counts["error"] += 1
-            return _error(wire.WireError(faults.error_status, "Injected failure (simulator fault injection)."))
-        if not state.alive:
-            return _error(wire.WireError(500, "The engine is not running."))
+        faults = admit()
+        if isinstance(faults, Response):
+            return faults
         task = (request.headers.get(TASK_HEADER) or "").strip().lower() or wire.guess_task(body)
         request_id = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
         return _GenerationCall(state, req, str(request_id), task, faults)
+
+    async def responses_create(request: Request) -> Response:
+        state.counts["requests"] += 1
+        try:
+            body = await parse_body(request)
+            prep = sim_responses.prepare(body, store)
+            req = wire.parse_request(
+                "chat", prep.chat_body, served=served, max_model_len=state.max_model_len, lengths=options.output_lengths
+            )
+        except wire.WireError as exc:
+            return _error(exc)
+        faults = admit()
+        if isinstance(faults, Response):
+            return faults
+        task = (request.headers.get(TASK_HEADER) or "").strip().lower() or wire.guess_task(prep.chat_body)
+        call = sim_responses.ResponsesCall(
+            state, req, prep.response_id, task, faults, body=body, prepared=prep, store=store
+        )
+        if not prep.background:
+            return call
+        queued = sim_responses.queued(call)
+        store.put(queued, prep.messages)
+        store.tasks[prep.response_id] = asyncio.create_task(sim_responses.run_background(call, store))
+        return _json(queued)
+
+    async def responses_get(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        if request.query_params.get("stream") in ("true", "True", "1"):
+            return _error(wire.WireError(400, "Streaming a stored response is not simulated.", param="stream"))
+        response = store.responses.get(rid)
+        return _json(response) if response is not None else _error(sim_responses.not_found(rid))
+
+    async def responses_cancel(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        response = store.responses.get(rid)
+        if response is None:
+            return _error(sim_responses.not_found(rid))
+        if response["status"] not in ("queued", "in_progress"):
+            error = wire.WireError(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+            return _error(error)
+        response["status"] = "cancelled"
+        task = store.tasks.get(rid)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        return _json(response)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
@@ -183,12 +240,17 @@ def create_sim_app(options: SimOptions) -> Starlette:
             yield
         finally:
             state.alive = False
+            for task in list(store.tasks.values()):
+                task.cancel()
             state.faults.close()
             await state.engine.stop()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses_create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_get, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", responses_cancel, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),
@@ -202,4 +264,5 @@ def create_sim_app(options: SimOptions) -> Starlette:
     app = _SimApp(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.sim = state
     app.state.sim = state
+    app.state.responses = store
     return app

@@ -215,6 +215,14 @@ def sim_command(
     enable_request_id_headers: Annotated[
         bool, typer.Option("--enable-request-id-headers", help="Echo X-Request-Id on responses.")
     ] = False,
+    enable_responses_store: Annotated[
+        bool,
+        typer.Option(
+            "--enable-responses-store",
+            help="Keep Responses API answers in memory (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1): "
+            "previous_response_id, retrieve, cancel and background work.",
+        ),
+    ] = False,
     preset: Annotated[
         str, typer.Option(help="Modelled deployment: " + " | ".join(preset_names()) + ".", rich_help_panel=_SIM)
     ] = "llama70b-4xh100",
@@ -385,6 +393,7 @@ def sim_command(
             api_keys=tuple(api_key or ()),
             seed=seed,
             enable_request_id_headers=enable_request_id_headers,
+            enable_responses_store=enable_responses_store,
             preset=preset,
             time_scale=time_scale,
             acceptance=acceptance_model(

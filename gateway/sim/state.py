@@ -42,6 +42,7 @@ class SimOptions:
     max_num_queued_tokens: int | None = None
     speculative_config: str | None = None  # JSON; None = a standard server
     per_request_spec_decode_metrics: Literal["summary", "detailed"] | None = None
+    enable_responses_store: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1 (Responses API store)
     api_keys: tuple[str, ...] = ()
     seed: int = 0
     enable_request_id_headers: bool = False

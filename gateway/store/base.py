@@ -14,6 +14,10 @@ One record per scoped key (the caller scopes keys by tenant before they get here
 
 Every record has a TTL (the lease while running, ``ttl_ms`` once completed). A store that cannot be reached raises
 ``StoreUnavailable``; the caller applies its policy (refuse keyed requests with 503 by default).
+
+Besides the claims, a store keeps small values with a TTL (``remember`` / ``recall``): where a Responses API response
+lives (response id → pool and endpoint), so that every replica sends its follow-ups to the one server holding it.
+Their keys never collide with claims (the callers prefix them differently).
 """
 
 from __future__ import annotations
@@ -72,6 +76,14 @@ class Store(Protocol):
 
     async def get(self, key: str) -> Running | Completed | None:
         """The record as it is now (waiting for a running request to finish polls this)."""
+        ...
+
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+        """Keep ``value`` under ``key`` for ``ttl_ms`` (a newer value replaces it)."""
+        ...
+
+    async def recall(self, key: str) -> bytes | None:
+        """The value kept under ``key``; None when there is none or it expired."""
         ...
 
     async def ping(self) -> None:

@@ -149,6 +149,12 @@ class StoreHealth:
     async def get(self, key: str) -> Running | Completed | None:
         return await self._call("get", self.store.get(key))
 
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+        await self._call("remember", self.store.remember(key, value, ttl_ms=ttl_ms))
+
+    async def recall(self, key: str) -> bytes | None:
+        return await self._call("recall", self.store.recall(key))
+
     async def ping(self) -> None:
         await self._call("ping", self.store.ping())
 

@@ -9,6 +9,8 @@ Memory stays bounded without a background task:
 - an expired record is treated as absent the moment it is read, and removed then;
 - every write pops the records whose expiry has passed, from a min-heap of expiry times (an entry whose record
   was extended, completed or replaced since is stale and skipped), so the cost is O(log n) per expiry;
+- values kept with ``remember`` live in a dict of their own, in write order: every write drops the expired ones at
+  its front and, above ``max_records``, the oldest;
 - above ``max_records`` the oldest completed records are dropped first (a dropped completion only costs a replay:
   the client's retry runs again). Running claims are never dropped to make room, since that could let a duplicate
   run; with the store full of running claims a new claim raises ``StoreUnavailable`` (the caller fails closed).
@@ -54,6 +56,8 @@ class MemoryStore:
         # the end), so the first completed record found walking the dict is the oldest completion.
         self._records: dict[str, _Record] = {}
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key) min-heap; may hold stale entries
+        # remember/recall: (expires_at, value) in write order; at most max_records, the oldest write goes first.
+        self._values: dict[str, tuple[float, bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -152,9 +156,30 @@ class MemoryStore:
             return Completed(rec.fingerprint, rec.response)
         return Running(rec.fingerprint)
 
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+        now = self._clock()
+        values = self._values
+        values.pop(key, None)
+        # The oldest writes come first: drop the expired ones at the front, then the oldest beyond the cap.
+        for k in list(itertools.islice(values, 64)):
+            if values[k][0] > now and len(values) < self._max:
+                break
+            del values[k]
+        values[key] = (now + ttl_ms / 1000, bytes(value))
+
+    async def recall(self, key: str) -> bytes | None:
+        got = self._values.get(key)
+        if got is None:
+            return None
+        if got[0] <= self._clock():
+            del self._values[key]
+            return None
+        return got[1]
+
     async def ping(self) -> None:
         return None
 
     async def close(self) -> None:
         self._records.clear()
         self._expiries.clear()
+        self._values.clear()

@@ -22,6 +22,8 @@ restart flushed the script cache), so each is atomic and one round trip:
   a late finisher whose lease ran out cannot touch the newer claim. ``complete`` by the owner of an already
   completed record answers true without writing (a retried call).
 
+Values kept with ``remember`` are plain strings (``SET … PX``, ``GET``) under the same prefix.
+
 Failures: any Redis or socket error becomes ``StoreUnavailable`` with the operation in its message; the URL (which
 may hold a password) is never part of it. Timeouts are short (``socket_timeout_s``) so that a dead Redis costs a
 keyed request half a second, not a stalled worker; a refused connection is retried once at once (a pooled
@@ -219,6 +221,21 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             raise self._unavailable("get", exc) from exc
         return _record(raw)
+
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+        try:
+            await self._client.set(self._prefix + key, bytes(value), px=max(1, int(ttl_ms)))
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("remember", exc) from exc
+
+    async def recall(self, key: str) -> bytes | None:
+        try:
+            raw = await self._client.get(self._prefix + key)
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("recall", exc) from exc
+        if raw is None:
+            return None
+        return raw if isinstance(raw, bytes) else str(raw).encode()
 
     async def ping(self) -> None:
         try:

@@ -122,7 +122,9 @@ class FakeClient:
         self.pool = pool
         self.script = script
 
-    async def post(self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def post(
+        self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str], **kw: Any
+    ) -> UpstreamResponse:
         n, fault = self.script.next(self.pool, ep)
         stream = self.script.stream
         if fault == "refused":

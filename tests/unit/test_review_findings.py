@@ -146,7 +146,7 @@ async def test_unexpected_exception_before_commit_is_not_counted_ok(
 ) -> None:
     app, client = app_client
 
-    async def boom(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def boom(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str], **kw: Any) -> UpstreamResponse:
         raise RuntimeError("unexpected")
 
     monkeypatch.setattr(upstream_mod.PoolClient, "post", boom)
@@ -163,7 +163,7 @@ async def test_unexpected_exception_after_commit_still_ends_with_error_event_and
 ) -> None:
     app, client = app_client
 
-    async def post(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def post(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str], **kw: Any) -> UpstreamResponse:
         raw = _RawStub("text/event-stream")
         return _BreakingStream(200, raw)  # type: ignore[arg-type]
 
@@ -324,7 +324,7 @@ def test_cancelled_attempt_releases_in_flight(app_client: tuple[Any, httpx.Async
     """A CancelledError that is not the client going away (server shutdown) propagates, and counters settle."""
     app, client = app_client
 
-    async def hang(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def hang(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str], **kw: Any) -> UpstreamResponse:
         await asyncio.sleep(3600)
         raise AssertionError
 

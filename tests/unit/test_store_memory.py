@@ -211,3 +211,14 @@ def test_settings_redis_url_from_env_and_kept_out_of_repr() -> None:
 def test_settings_reject_a_non_redis_url() -> None:
     with pytest.raises(SettingsError, match="redis_url"):
         Settings.from_env({"SPECGATE_RULES": "r.yaml", "SPECGATE_REDIS_URL": "http://redis:6379"})
+
+
+async def test_remembered_values_are_capped_oldest_first() -> None:
+    clock = FakeClock()
+    store = MemoryStore(max_records=3, clock=clock)
+    for i in range(5):
+        await store.remember(f"k{i}", b"v", ttl_ms=60_000)
+    assert [await store.recall(f"k{i}") for i in range(5)] == [None, None, b"v", b"v", b"v"]
+    clock.now += 61
+    await store.remember("fresh", b"v", ttl_ms=60_000)
+    assert len(store._values) == 1  # the expired ones went on the write, without waiting to be read

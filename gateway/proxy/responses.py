@@ -1,0 +1,257 @@
+"""The Responses API's state on the pools: which endpoint holds a response, and sending its follow-ups there.
+
+vLLM keeps a stored response (and the conversation behind it) in the memory of the one server that made it. So:
+
+- When ``POST /v1/responses`` is answered 200 and the request did not say ``store: false``, the gateway records
+  response id → pool, endpoint and URL in the store (``remember``: memory, or Redis shared by every replica), for
+  ``idempotency.ttl_s``, before the client sees the answer (a stream: once its ``response.created`` event arrived).
+- A request with ``previous_response_id``, and ``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel``, go
+  to that endpoint and only there: one attempt, no fallback to another endpoint or pool (which would not know the
+  conversation). It is tried while it passes its health checks, drained or not: a drain stops new conversations,
+  not the ones it holds.
+- No record (an unknown id, one older than the TTL, one of another API key, one created with ``store: false``):
+  404 ``response_not_found``. The endpoint left the config: 409 ``response_endpoint_gone``. It fails its health
+  checks: 503 ``response_endpoint_unavailable`` with ``Retry-After`` (it may come back). The store cannot be read:
+  503 ``response_store_unavailable``. None of these ever sends the request elsewhere.
+
+Records are scoped like Idempotency-Keys: the store key is a hash of the caller's bearer token and the response id,
+so one API key can neither read nor continue another's responses through the gateway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import Conflict, GatewayError, InvalidParameter, NoCapacity, NotFound, PayloadTooLarge
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
+from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.headers import request_id
+from gateway.proxy.idempotency import tenant_scope
+from gateway.proxy.record import RequestRecord
+from gateway.proxy.wire import JSON_CONTENT_TYPE
+from gateway.routing.plan import Plan
+from gateway.routing.responses_features import valid_response_id
+from gateway.runtime.container import Runtime
+from gateway.store.base import Store, StoreUnavailable
+
+logger = logging.getLogger("specgate.responses")
+
+OnAnswer = Callable[[PoolState, EndpointState, bytes], Awaitable[None]]
+STATE_CLASS = "responses-state"  # the class label of GET / cancel of a stored response (not classified)
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """A body the route does not use, still read within the size limit."""
+    size, parts = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class ResponseNotFound(NotFound):
+    default_code = "response_not_found"
+
+
+class ResponseEndpointGone(Conflict):
+    default_code = "response_endpoint_gone"
+
+
+class ResponseEndpointUnavailable(NoCapacity):
+    default_code = "response_endpoint_unavailable"
+
+
+class ResponseStoreUnavailable(NoCapacity):
+    default_code = "response_store_unavailable"
+
+
+def record_key(scope: bytes, response_id: str) -> str:
+    """The store key of one caller's response id (fixed length; reveals neither)."""
+    return "resp:" + hashlib.sha256(scope + b"\0" + response_id.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Where a response lives: pool, endpoint id and URL (the URL guards against an id reused for another server)."""
+
+    pool: str
+    endpoint: str
+    url: str
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"pool": self.pool, "endpoint": self.endpoint, "url": self.url})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Holder | None:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("pool", "endpoint", "url")):
+            return None
+        return cls(data["pool"], data["endpoint"], data["url"])
+
+
+def _no_retry() -> dict[str, str]:
+    return {"x-should-retry": "false"}
+
+
+async def locate(
+    store: Store, pools: Mapping[str, PoolState], scope: bytes, response_id: str, *, param: str
+) -> tuple[PoolState, EndpointState]:
+    """The pool and endpoint holding ``response_id`` for this caller, or the error that says why there is none."""
+    if not valid_response_id(response_id):
+        raise ResponseNotFound(f"Response with id {response_id[:64]!r} not found.", param=param, headers=_no_retry())
+    try:
+        raw = await store.recall(record_key(scope, response_id))
+    except StoreUnavailable as exc:
+        raise ResponseStoreUnavailable(
+            f"where response '{response_id}' lives cannot be looked up now ({exc})", param=param
+        ) from exc
+    holder = Holder.decode(raw) if raw is not None else None
+    if holder is None:
+        raise ResponseNotFound(
+            f"Response with id '{response_id}' not found: this gateway has no record of it (unknown, older than the "
+            "record's TTL, created with store: false, or by another API key).",
+            param=param,
+            headers=_no_retry(),
+        )
+    pool = pools.get(holder.pool)
+    ep = next((e for e in pool.endpoints if e.id == holder.endpoint and e.url == holder.url), None) if pool else None
+    if pool is None or ep is None:
+        raise ResponseEndpointGone(
+            f"response '{response_id}' is held by endpoint {holder.pool}/{holder.endpoint}, which is no longer part of "
+            "this gateway's config; no other server holds its state, so it is not sent anywhere else",
+            param=param,
+            headers=_no_retry(),
+        )
+    if not ep.healthy:
+        raise ResponseEndpointUnavailable(
+            f"response '{response_id}' is held by endpoint {pool.name}/{ep.id}, which is failing its health checks; "
+            "no other server holds its state, retry once it is back",
+            param=param,
+            retry_after_s=5,
+        )
+    return pool, ep
+
+
+def recorder(store: Store, scope: bytes, ttl_ms: int) -> OnAnswer:
+    """What records a 200 answer's response id (``ProxyJob.on_answer``). A store failure is logged, never raised:
+    the answer still goes out, and only its follow-ups will find no record."""
+
+    async def on_answer(pool: PoolState, ep: EndpointState, payload: bytes) -> None:
+        rid = response_id_of(payload)
+        if rid is None or not valid_response_id(rid):
+            logger.warning("a Responses API answer from %s/%s carried no usable response id", pool.name, ep.id)
+            return
+        try:
+            await store.remember(record_key(scope, rid), Holder(pool.name, ep.id, ep.url).encode(), ttl_ms=ttl_ms)
+        except StoreUnavailable as exc:
+            logger.warning("response %s from %s/%s was not recorded: %s", rid, pool.name, ep.id, exc)
+
+    return on_answer
+
+
+def stores_state(body: Mapping[str, Any]) -> bool:
+    """The pool keeps this request's response (``store`` defaults to true in the Responses API)."""
+    return body.get("store") is not False
+
+
+# --- the handlers -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sticky:
+    """What ``POST /v1/responses`` adds to its plan: the endpoint it must go to, and the recorder of its answer."""
+
+    pinned: tuple[PoolState, EndpointState] | None
+    on_answer: OnAnswer | None
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.pinned is None else Plan((self.pinned[0].name,), "sticky")
+
+
+async def for_create(
+    store: Store, pools: Mapping[str, PoolState], body: Mapping[str, Any], authorization: str | None, ttl_s: float
+) -> Sticky:
+    """The stickiness of one ``POST /v1/responses`` (its body already classified, so its fields are valid)."""
+    scope = tenant_scope(authorization)
+    previous = body.get("previous_response_id")
+    pinned = None
+    if isinstance(previous, str):
+        pinned = await locate(store, pools, scope, previous, param="previous_response_id")
+    on_answer = recorder(store, scope, int(ttl_s * 1000)) if stores_state(body) else None
+    return Sticky(pinned, on_answer)
+
+
+def _query(request: Request) -> tuple[bool, str]:
+    """``GET /v1/responses/{id}``'s own parameters, checked and passed on: ``stream`` and ``starting_after``."""
+    params = request.query_params
+    stream_raw = params.get("stream", "false").lower()
+    if stream_raw not in ("true", "false"):
+        raise InvalidParameter("'stream' must be true or false", param="stream")
+    parts = ["stream=true"] if stream_raw == "true" else []
+    after = params.get("starting_after")
+    if after is not None:
+        if not after.isdigit() or len(after) > 9:
+            raise InvalidParameter("'starting_after' must be a non-negative integer", param="starting_after")
+        parts.append(f"starting_after={int(after)}")
+    return stream_raw == "true", ("?" + "&".join(parts)) if parts else ""
+
+
+async def _stateful(request: Request, method: str, suffix: str) -> Response:
+    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the endpoint holding it, once."""
+    rt: Runtime = request.app.state.runtime
+    rid = str(request.path_params["response_id"])
+    headers = request.headers
+    rec = RequestRecord(request_id(headers.get("x-request-id")), f"/v1/responses/{rid[:300]}{suffix}")
+    rec.traffic_class = STATE_CLASS
+    extra = {"x-request-id": rec.request_id}
+    try:
+        rt.authenticate(headers.get("authorization"))
+        stream, query = _query(request) if method == "GET" else (False, "")
+        if method == "POST":  # cancel takes no body; one is read (within the limit) and not passed on
+            await read_limited(request, rt.settings.max_body_bytes)
+        live = rt.live
+        pool, ep = await locate(
+            rt.store, live.pools, tenant_scope(headers.get("authorization")), rid, param="response_id"
+        )
+    except GatewayError as exc:
+        rec.status, rec.error = exc.status, exc.message
+        rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
+        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+    rec.route_reason, rec.stream = "sticky", stream
+    job = ProxyJob(
+        path=f"/v1/responses/{rid}{suffix}{query}",
+        body=b"",
+        client_headers=list(headers.items()),
+        stream=stream,
+        plan=Plan((pool.name,), "sticky"),
+        max_attempts=1,
+        record=rec,
+        extra_headers=[*extra.items(), ("x-specgate-route", "sticky")],
+        dialect=ResponsesDialect() if stream else CHAT,
+        pinned=(pool, ep),
+        method=method,
+    )
+    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+
+
+async def retrieve_response(request: Request) -> Response:
+    return await _stateful(request, "GET", "")
+
+
+async def cancel_response(request: Request) -> Response:
+    return await _stateful(request, "POST", "/cancel")
