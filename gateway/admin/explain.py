@@ -197,4 +197,22 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             "max_attempts": d.max_attempts,
         },
         "config": {"source": live.source, "digest": live.digest},
+        "stateful": _stateful(endpoint, body),
+    }
+
+
+def _stateful(endpoint: Endpoint | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Responses API request's state on the pools: where its answer is recorded, and a follow-up's pin."""
+    if endpoint != "responses":
+        return None
+    previous = body.get("previous_response_id")
+    return {
+        "previous_response_id": previous,
+        "recorded": body.get("store") is not False,
+        "note": (
+            "pinned: the request goes only to the endpoint that holds the previous response (no fallback); the plan "
+            "above applies to a new conversation"
+            if previous
+            else "a new conversation: planned as above"
+        ),
     }

@@ -129,11 +129,18 @@ def tpot_from_chunks(chunk_times: list[float], completion_tokens: int) -> float 
 
 
 def _content(chunk: dict[str, Any]) -> bool:
+    if chunk.get("type") == "response.output_text.delta":  # the Responses API
+        return bool(chunk.get("delta"))
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
         if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
             return True
     return False
+
+
+def _output_tokens(usage: dict[str, Any]) -> int:
+    """Generated tokens from chat's ``completion_tokens`` or the Responses API's ``output_tokens``."""
+    return int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
 
 
 async def send_one(
@@ -143,7 +150,7 @@ async def send_one(
     start = time.monotonic()
     chunk_times: list[float] = []
     try:
-        async with session.post(f"{url}/v1/chat/completions", json=planned.body, headers=planned.headers) as r:
+        async with session.post(f"{url}{planned.path}", json=planned.body, headers=planned.headers) as r:
             res.status = r.status
             res.pool = r.headers.get("x-specgate-pool", "")
             res.route_class = r.headers.get("x-specgate-class", "")
@@ -162,12 +169,12 @@ async def send_one(
                         res.error = str(chunk["error"])[:200]
                     if _content(chunk):
                         chunk_times.append(time.monotonic() - start)
-                    usage = chunk.get("usage")
+                    usage = chunk.get("usage") or (chunk.get("response") or {}).get("usage")
                     if usage:
-                        res.completion_tokens = int(usage.get("completion_tokens") or 0)
+                        res.completion_tokens = _output_tokens(usage)
             else:
                 body = await r.json()
-                res.completion_tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
+                res.completion_tokens = _output_tokens(body.get("usage") or {})
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         res.error = type(exc).__name__
     res.e2e_s = (time.monotonic() - start) / time_scale

@@ -177,6 +177,7 @@ class TrafficClass:
     targets: Targets
     response_format: str | None = None
     prompts: tuple[Any, ...] = ()  # from a JSONL file: strings or message lists; empty: built-in
+    api: str = "chat"  # chat (POST /v1/chat/completions) | responses (POST /v1/responses)
 
     def prompt(self, rng: random.Random) -> str | list[dict[str, Any]]:
         if self.prompts:
@@ -210,6 +211,10 @@ class Planned:
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
 
+    @property
+    def path(self) -> str:
+        return "/v1/responses" if self.cls.api == "responses" else "/v1/chat/completions"
+
 
 def plan_request(mix: Mix, model: str, rng: random.Random) -> Planned:
     cls = mix.pick(rng)
@@ -229,10 +234,24 @@ def plan_request(mix: Mix, model: str, rng: random.Random) -> Planned:
         body["stream"] = False
     if cls.response_format:
         body["response_format"] = {"type": cls.response_format}
+    if cls.api == "responses":
+        body = _as_responses(body)
     headers = {"x-sim-task": cls.task}  # the simulator's ground truth for acceptance; vLLM ignores it
     if mix.send_task_header:
         headers["x-task-type"] = cls.task
     return Planned(cls, body, headers)
+
+
+def _as_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    """The same request for the Responses API: ``input`` items, ``max_output_tokens``, ``text.format``."""
+    body: dict[str, Any] = {"model": chat["model"], "input": chat["messages"], "stream": chat["stream"]}
+    if "temperature" in chat:
+        body["temperature"] = chat["temperature"]
+    if "max_tokens" in chat:
+        body["max_output_tokens"] = chat["max_tokens"]
+    if "response_format" in chat:
+        body["text"] = {"format": chat["response_format"]}
+    return body
 
 
 def _load_prompts(raw: Any, base: Path, where: str) -> tuple[Any, ...]:
@@ -284,6 +303,9 @@ def parse_mix(data: Any, base: Path = Path(".")) -> Mix:
         stream = float(raw.get("stream", 0.0))
         if weight < 0 or not 0.0 <= stream <= 1.0:
             raise ValueError(f"{where}: weight must be >= 0 and stream a share in [0, 1]")
+        api = str(raw.get("api", "chat"))
+        if api not in ("chat", "responses"):
+            raise ValueError(f"{where}: api must be chat or responses, got {api!r}")
         classes.append(
             TrafficClass(
                 name=str(raw["name"]),
@@ -295,6 +317,7 @@ def parse_mix(data: Any, base: Path = Path(".")) -> Mix:
                 targets=_targets(raw.get("targets"), f"{where}.targets", targets),
                 response_format=raw.get("response_format"),
                 prompts=_load_prompts(raw.get("prompts"), base, f"{where}.prompts"),
+                api=api,
             )
         )
     if sum(c.weight for c in classes) <= 0:

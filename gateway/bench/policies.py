@@ -146,9 +146,10 @@ def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str
     outs, prompts = [], []
     for i in range(n):
         planned = plan_request(mix, "m", rng)
-        cap = planned.body.get("max_tokens") or 10**9
+        cap = planned.body.get("max_tokens") or planned.body.get("max_output_tokens") or 10**9
         outs.append(min(setup.lengths.natural(i), int(cap)))
-        prompts.append(sum(count_tokens(str(m.get("content", ""))) for m in planned.body["messages"]))
+        messages = planned.body.get("messages") or planned.body.get("input") or []
+        prompts.append(sum(count_tokens(str(m.get("content", ""))) for m in messages))
     mean_out = sum(outs) / n
     mean_prompt = sum(prompts) / n
     b = setup.max_num_seqs

@@ -14,7 +14,9 @@ and the standard one among ``route.preferred`` / ``route.saturated``; the loader
   ``DEFAULT_TPOT_S``;
 - acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
   (``specgate_class_draft_tokens`` / ``specgate_class_accepted_draft_tokens``, fed from the responses of
-  speculative pools); None while the class drafted nothing in the window (e.g. while it is on the standard pool);
+  speculative pools); when the class ran on its speculative pool in the window but no response reported its
+  acceptance (vLLM returns none for the Responses API), the pool's scraped rate; None while the class drafted
+  nothing in the window (e.g. while it is on the standard pool);
 - p95: the end-to-end p95 of the class's successful requests on its speculative pool over the window
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
@@ -245,6 +247,12 @@ class RoutingState:
             d_drafted = drafted.get(name, 0.0) - base_drafted
             acceptance = (accepted.get(name, 0.0) - base_accepted) / d_drafted if d_drafted > 0 else None
             p95 = None if self._latency_p95 is None else self._latency_p95(name, c.spec_pool, now - cfg.window_s)
+            if acceptance is None and p95 is not None:
+                # It ran on its speculative pool, yet nothing reported per-request acceptance (the Responses API, or
+                # vLLM without --per-request-spec-decode-metrics): the pool's counters stand in for the class's.
+                spec_view = views.get(c.spec_pool)
+                if spec_view is not None and spec_view.acceptance is not None:
+                    acceptance = spec_view.acceptance.rate
             obs = self._observation(
                 views.get(c.spec_pool),
                 views.get(c.std_pool),

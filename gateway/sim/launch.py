@@ -59,7 +59,7 @@ def plan_stand_ins(rules: dict[str, Any], ports: dict[str, int], *, time_scale: 
                 cmd += ["--model", m]
         else:
             cmd = [py, "-m", "gateway", "sim", models[0], "--port", str(port), "--preset", PRESET]
-            cmd += ["--time-scale", str(time_scale)]
+            cmd += ["--time-scale", str(time_scale), "--enable-responses-store"]  # previous_response_id works
             for m in models:
                 cmd += ["--served-model-name", m]
             spec = spec_config_json(pool)

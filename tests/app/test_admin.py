@@ -117,6 +117,31 @@ async def test_explain_reads_task_header_and_path(admin: httpx.AsyncClient) -> N
     assert [s["reason"] for s in r.json()["plan"]["steps"]] == ["preferred", "fallback"]
 
 
+async def test_explain_covers_the_responses_api(admin: httpx.AsyncClient) -> None:
+    body = {
+        "model": MODEL,
+        "input": [{"role": "user", "content": "Write a python function."}],
+        "temperature": 0.1,
+        "max_output_tokens": 64,
+        "text": {"format": {"type": "json_object"}},
+        "reasoning": {"effort": "low"},
+        "previous_response_id": "resp_1",
+    }
+    d = (await admin.post("/admin/explain?path=/v1/responses", json=body)).json()
+    assert d["request"]["endpoint"] == "responses"
+    f = d["features"]
+    assert (f["endpoint"], f["max_tokens"], f["response_format"], f["reasoning"]) == (
+        "responses",
+        64.0,
+        "json_object",
+        "low",
+    )
+    assert (d["task_type"], d["traffic_class"]["name"]) == ("structured", "precise")
+    assert d["stateful"]["previous_response_id"] == "resp_1"
+    assert d["stateful"]["note"].startswith("pinned")
+    assert (await admin.post("/admin/explain", json=CHAT)).json()["stateful"] is None
+
+
 async def test_explain_model_served_by_one_pool_skips_the_other(admin: httpx.AsyncClient) -> None:
     d = (await admin.post("/admin/explain", json={**CHAT, "model": "spec-only-model"})).json()
     assert [s["pool"] for s in d["plan"]["steps"]] == ["spec"]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from gateway.sim.launch import free_port, wait_for_port
 
@@ -45,6 +46,15 @@ def test_demo_serves_and_sigterm_stops_its_simulated_servers() -> None:
     try:
         wait_for_port(port, 60.0)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+        # The Responses API through the demo with the OpenAI SDK: two turns of one conversation, then retrieve.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo", max_retries=0, timeout=30)
+        model = client.models.list().data[0].id
+        first = client.responses.create(model=model, input="Write a python function.", max_output_tokens=8)
+        second = client.responses.create(
+            model=model, input="Now in one line.", max_output_tokens=8, previous_response_id=first.id
+        )
+        assert second.previous_response_id == first.id
+        assert client.responses.retrieve(second.id).output_text == second.output_text
         sims = _children(proc.pid)
         assert len(sims) == 2  # one simulated vLLM server per pool of the default routing file
         proc.send_signal(signal.SIGTERM)

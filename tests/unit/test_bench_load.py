@@ -269,3 +269,25 @@ def test_the_report_says_whether_the_harness_was_the_bottleneck() -> None:
     assert "may have been the bottleneck" in text
     assert "adaptive at 110% (gateway 0.95)" in text
     assert "not measured" in "\n".join(harness_cpu([Point("standard", 0.5, 1.0, s, (), 1.0)]))
+
+
+def test_responses_mix_plans_responses_api_bodies() -> None:
+    from gateway.config.loader import load_rules_file
+    from gateway.routing.classify import Classifier
+
+    mix = load_mix("agents-responses", ROOT / "bench" / "mixes")
+    classifier = Classifier(load_rules_file(ROOT / "routing_rules" / "default.yaml"))
+    rng = random.Random(3)
+    plans = [plan_request(mix, "meta-llama/Llama-3.3-70B-Instruct", rng) for _ in range(200)]
+    assert {p.path for p in plans} == {"/v1/responses"}
+    for p in plans:
+        assert "messages" not in p.body
+        assert "stream_options" not in p.body
+        assert p.body["max_output_tokens"] > 0
+        f = classifier.features("responses", p.body)
+        assert f.endpoint == "responses"
+        if p.cls.name == "structured":
+            assert p.body["text"] == {"format": {"type": "json_object"}}
+            assert f.task_type == "structured"
+    with pytest.raises(ValueError, match="api"):
+        parse_mix({"classes": [{"name": "x", "api": "assistants"}]})

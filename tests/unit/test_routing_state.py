@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from typing import Any
 
 import orjson
 import pytest
 
 from gateway.config.schema import RoutingRules
-from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.route_state import RoutingState
 
@@ -257,3 +258,24 @@ def test_the_controller_sees_the_window_mean_of_the_delays_not_one_noisy_scrape(
     # stale data is not averaged away: it acts at once
     (t,) = rs.on_scrape_round(8.0, {"spec": view("spec", stale=True), "std": view("std")})
     assert t.reason == "stale"
+
+
+def test_without_per_request_acceptance_the_pools_counters_stand_in() -> None:
+    """The Responses API: vLLM reports no per-request acceptance, so a class that ran on its speculative pool and
+    drafted nothing in the gateway's per-class counters is judged by the pool's scraped rate; a class that did not
+    run there (no p95 on the speculative pool) stays unknown."""
+    cfg = {"disable_below": 0.5, "disable_after_windows": 1}
+    poor = {"spec": replace(view("spec"), acceptance=Acceptance(0.3, 2.2, (0.3,), 100.0)), "std": view("std")}
+    for ran_there, expected in ((True, 0.3), (False, None)):
+        rs = RoutingState(
+            lambda: rules(cfg, preferred="spec", saturated="std"),
+            GatewayMetrics().registry,
+            clock=lambda: 0.0,
+            latency_p95=lambda cls, pool, since, ran=ran_there: 1.0 if ran else None,  # type: ignore[misc]
+        )
+        rs.choose("code", RNG)
+        assert rs.on_scrape_round(1.0, poor) == []
+        rs.choose("code", RNG)
+        out = rs.on_scrape_round(2.0, poor)
+        assert rs.snapshot()["code"]["last_observation"]["acceptance"] == expected
+        assert [(t.to_state, t.reason) for t in out] == ([("standard", "acceptance_floor")] if ran_there else [])
