@@ -247,7 +247,7 @@ def test_body_over_the_limit_is_413_even_without_content_length(fake: Fake, gate
 
 def test_unknown_route_and_method(two_pools: Any) -> None:
     gw, _, _ = two_pools
-    r = httpx.post(gw.url + "/v1/responses", json={})
+    r = httpx.post(gw.url + "/v1/assistants", json={})
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "unknown_route"
     r = httpx.get(gw.url + "/v1/chat/completions")
