@@ -131,6 +131,7 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
             "models": sorted(pool.models),
             "routable_endpoints": view.routable_endpoints,
             "in_flight": pool.in_flight,
+            "cluster_in_flight": pool.in_flight + sum(e.remote_in_flight for e in pool.endpoints),
             "endpoints": [
                 {
                     "id": e.id,
@@ -141,6 +142,7 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
                     "configured_weight": e.configured_weight,
                     "effective_weight": e.weight,
                     "in_flight": e.in_flight,
+                    "remote_in_flight": e.remote_in_flight,
                     "consecutive_failures": e.consecutive_failures,
                     "ejected": e.ejected,
                     "ejected_for_s": max(0.0, e.ejected_until - now) if e.ejected else None,
@@ -182,6 +184,8 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
         "classes": classes,
         "audit": {"size": len(audit), "capacity": audit.capacity, "total": audit.total},
         "started_at": rt.started_at,
+        # Who leads the cluster, the age of the snapshot this replica routes on, each other replica's counts' age.
+        "cluster": rt.cluster.describe() if rt.cluster is not None else {"enabled": False, "role": "local"},
     }
 
 

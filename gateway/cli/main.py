@@ -79,6 +79,15 @@ def serve(
             "redis://host:6379/0 (none: in memory, this process only).",
         ),
     ] = None,
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster/--no-cluster",
+            envvar="SPECGATE_CLUSTER",
+            help="With --redis-url: one elected replica scrapes and runs the controllers for all (default); "
+            "--no-cluster: each replica on its own.",
+        ),
+    ] = True,
 ) -> None:
     """Start the gateway."""
     try:
@@ -96,6 +105,7 @@ def serve(
             admin_host=admin_host,
             admin_port=admin_port,
             redis_url=redis_url or None,
+            cluster=cluster,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc

@@ -38,6 +38,9 @@ class Settings:
     # Idempotency records shared by the replicas (redis:// | rediss:// | unix://); None: in memory, this process
     # only. It may hold a password: kept out of repr, and logged only through gateway.store.redis.redact_url.
     redis_url: str | None = field(default=None, repr=False)
+    # With Redis: the replicas elect a leader that scrapes and decides for all (gateway.cluster); False: each
+    # replica scrapes and decides alone (overrides and Idempotency-Keys are still shared).
+    cluster: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -73,6 +76,10 @@ class Settings:
                     kw[f.name] = int(raw)
                 elif f.name in ("health_interval_s", "health_timeout_s"):
                     kw[f.name] = float(raw)
+                elif f.name == "cluster":
+                    if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                        raise ValueError("expected true or false")
+                    kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
                 elif f.name == "api_keys_file":
                     kw[f.name] = Path(raw)
                 else:

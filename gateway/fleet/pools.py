@@ -32,6 +32,7 @@ class EndpointState:
     configured_weight: float = -1.0  # the YAML's weight (< 0 when not given: then ``weight`` at creation)
     healthy: bool = True
     in_flight: int = 0
+    remote_in_flight: int = 0  # the other replicas' requests in flight on it (a cluster's shared counts)
     consecutive_failures: int = 0
     last_checked: float = 0.0
     last_error: str | None = None

@@ -68,12 +68,17 @@ class Scraper:
         self._session: aiohttp.ClientSession | None = None
         self.loads: dict[str, PoolLoad] = {}
         self.rounds = 0
+        # A cluster follower's pool views, as the leader scraped them (``adopt``); None: this process's own.
+        self.adopted: dict[str, PoolLoadView] | None = None
         self._exported: set[tuple[str, str]] = set()  # (pool, endpoint) label sets in the metrics
 
     # -- reading ---------------------------------------------------------------------------------------------
 
     def views(self, now: float | None = None) -> dict[str, PoolLoadView]:
-        """Every pool's load now, the scraped numbers moved by the gateway's in-flight counts since the scrape."""
+        """Every pool's load now, the scraped numbers moved by the gateway's in-flight counts since the scrape (a
+        cluster follower: the leader's views)."""
+        if self.adopted is not None:
+            return dict(self.adopted)
         t = self._clock() if now is None else now
         in_flight = {p.name: {e.id: e.in_flight for e in p.endpoints} for p in self._pools()}
         return {name: load.view(t, in_flight.get(name)) for name, load in self.loads.items()}
@@ -83,8 +88,15 @@ class Scraper:
     async def run(self) -> None:
         await run_every(self.scrape_all, lambda: self._config().interval_s, what="scrape round", log=logger)
 
+    def adopt(self, views: Mapping[str, PoolLoadView] | None) -> None:
+        """Route on another replica's scrape (a cluster follower), or on this process's own again (None)."""
+        self.adopted = None if views is None else dict(views)
+        if views is not None:
+            self._export()
+
     async def scrape_all(self) -> None:
         """One round: every endpoint at once; then the pool metrics."""
+        self.adopted = None
         cfg = self._config()
         pools = list(self._pools())
         targets = self._sync(pools, cfg)

@@ -74,7 +74,7 @@ class _Class:
     requests: int = 0  # cumulative, bumped per routed request
     start_requests: int = 0  # ``requests`` when this controller was made
     # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
-    history: deque[tuple[float, int, float, float]] = field(default_factory=deque)
+    history: deque[tuple[float, float, float, float]] = field(default_factory=deque)
     # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
     fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
 
@@ -138,6 +138,11 @@ class RoutingState:
         self._last_tpot: dict[str, float] = {}  # per pool: the last TPOT measured, for while it idles
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
+        # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
+        self._adopted: dict[str, tuple[RouteState, float]] = {}
+        # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
+        # process's own in each round (a cluster's leader decides on the whole cluster's samples).
+        self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
         self.transitions = Counter(
             "specgate_controller_transitions_total",
             "Route-state changes of a traffic class's controller, by reason.",
@@ -182,10 +187,36 @@ class RoutingState:
         if count:
             c.requests += 1
         ctl = c.controller
-        state, share = ctl.state, ctl.share
+        adopted = self._adopted.get(class_name)
+        if adopted is not None and class_name not in self._forced:
+            state, share = adopted
+        else:
+            state, share = ctl.state, ctl.share
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         return RouteChoice(state, pick, share)
+
+    # -- a cluster's follower ---------------------------------------------------------------------------------
+
+    def adopt(self, shares: Mapping[str, tuple[RouteState, float]]) -> None:
+        """Route on another replica's controllers: class → (state, share), for the classes this process controls
+        too (an on-call force here still wins). An empty mapping returns to this process's own controllers."""
+        self._adopted = {name: v for name, v in shares.items() if name in self._classes}
+        for name, c in self._classes.items():
+            state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
+            self._set_gauge(name, state, share)
+
+    @property
+    def adopted(self) -> bool:
+        return bool(self._adopted)
+
+    def local_counts(self) -> dict[str, tuple[float, float, float]]:
+        """This process's cumulative (requests, draft tokens, accepted tokens) per controlled class."""
+        drafted, accepted = self._class_draft_counts()
+        return {
+            name: (float(c.requests), drafted.get(name, 0.0), accepted.get(name, 0.0))
+            for name, c in self._classes.items()
+        }
 
     # -- on-call class routes --------------------------------------------------------------------------------
 
@@ -235,17 +266,25 @@ class RoutingState:
         if not self._classes:
             return []
         drafted, accepted = self._class_draft_counts()
+        remote = self.remote_counts()
+        if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
+            self.adopt({})
         out: list[Transition] = []
         for name, c in self._classes.items():
             cfg = c.controller.config
+            r_req, r_drafted, r_accepted = remote.get(name, (0.0, 0.0, 0.0))
+            requests = c.requests + r_req
+            n_drafted, n_accepted = drafted.get(name, 0.0) + r_drafted, accepted.get(name, 0.0) + r_accepted
             if not c.history:  # the first round: requests count from the controller's start, drafts from now
-                c.history.append((c.since, c.start_requests, drafted.get(name, 0.0), accepted.get(name, 0.0)))
-            c.history.append((now, c.requests, drafted.get(name, 0.0), accepted.get(name, 0.0)))
+                c.history.append((c.since, c.start_requests + r_req, n_drafted, n_accepted))
+            c.history.append((now, requests, n_drafted, n_accepted))
             while len(c.history) > 1 and c.history[1][0] <= now - cfg.window_s:
                 c.history.popleft()
             _, base_requests, base_drafted, base_accepted = c.history[0]
-            d_drafted = drafted.get(name, 0.0) - base_drafted
-            acceptance = (accepted.get(name, 0.0) - base_accepted) / d_drafted if d_drafted > 0 else None
+            # Other replicas' totals move when one joins or leaves: a window never counts less than nothing.
+            d_drafted = n_drafted - base_drafted
+            d_accepted = max(0.0, min(d_drafted, n_accepted - base_accepted))
+            acceptance = d_accepted / d_drafted if d_drafted > 0 else None
             p95 = None if self._latency_p95 is None else self._latency_p95(name, c.spec_pool, now - cfg.window_s)
             if acceptance is None and p95 is not None:
                 # It ran on its speculative pool, yet nothing reported per-request acceptance (the Responses API, or
@@ -256,7 +295,7 @@ class RoutingState:
             obs = self._observation(
                 views.get(c.spec_pool),
                 views.get(c.std_pool),
-                samples=c.requests - base_requests,
+                samples=max(0, round(requests - base_requests)),
                 acceptance=acceptance,
                 p95_s=p95,
             )

@@ -13,7 +13,10 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Any
 
+from gateway.cluster import snapshot as cluster_snapshot
+from gateway.cluster.node import ClusterNode, Contribution, connect, replica_id
 from gateway.config.loader import load_rules_text
 from gateway.config.settings import Settings
 from gateway.errors import GatewayError, Unauthorized
@@ -25,7 +28,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.overrides.manager import Override, OverrideManager
 from gateway.overrides.store import build_override_store
-from gateway.periodic import cancel_and_wait
+from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
 from gateway.routing.route_state import RoutingState
@@ -83,15 +86,85 @@ class Runtime:
             registry=self.metrics.registry,
             local_audit=self.audit,
         )
+        # Cluster mode (with Redis): one replica leads (scrapes, checks health, runs the controllers) and publishes
+        # a snapshot the others route on; all share their in-flight and class counts (gateway.cluster.node).
+        self.cluster: ClusterNode | None = None
+        if settings.redis_url is not None and settings.cluster:
+            client, subscriber = connect(settings.redis_url)
+            self.cluster = ClusterNode(
+                client,
+                subscriber,
+                replica=replica_id(),
+                interval_s=lambda: self.live.rules.scrape.interval_s,
+                on_snapshot=self._adopt,
+                own_counts=self._own_counts,
+                on_counts=self._apply_counts,
+                registry=self.metrics.registry,
+            )
+            self.routing.remote_counts = self.cluster.remote_class_counts
         self._tasks: list[asyncio.Task[None]] = []
         # Hot reload of the routing YAML: SIGHUP, POST /admin/reload, the file watcher (gateway.runtime.reload).
         self.reloader = Reloader(self)
 
     def _audit_transition(self, t: Transition) -> None:
+        if self.cluster is not None and self.cluster.role == "follower":
+            return  # the leader audits the cluster's transitions once (a follower's come from on-call forces)
         detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
         self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
         )
+
+    # -- cluster mode ----------------------------------------------------------------------------------------
+
+    def _acting_locally(self) -> bool:
+        return self.cluster is None or self.cluster.acting_locally()
+
+    async def _scrape_round(self) -> None:
+        if not self._acting_locally():
+            return
+        await self.scraper.scrape_all()
+        node = self.cluster
+        if node is not None and node.lease.held:
+            now = time.monotonic()
+            await node.publish(
+                cluster_snapshot.build(
+                    leader=node.replica,
+                    seq=0,
+                    at=time.time(),
+                    now=now,
+                    config=self.live.digest,
+                    pools=self.live.pools.values(),
+                    views=self.scraper.views(now),
+                    classes=self.routing.snapshot(now),
+                )
+            )
+
+    async def _health_round(self) -> None:
+        if self._acting_locally():
+            await self.health.check_all()
+
+    def _adopt(self, snap: dict[str, Any]) -> None:
+        """A follower takes the leader's snapshot: endpoint health and ejections, pool loads, class shares."""
+        now = time.monotonic()
+        pools = list(self.live.pools.values())
+        for ep in cluster_snapshot.apply_endpoints(snap, pools, now):
+            logger.warning("endpoint %s/%s is now %s (cluster leader)", ep.pool, ep.id, "up" if ep.healthy else "down")
+        for pool in pools:
+            for ep in pool.endpoints:
+                self.metrics.endpoint_up.labels(ep.pool, ep.id).set(1 if ep.healthy else 0)
+                self.metrics.endpoint_ejected.labels(ep.pool, ep.id).set(1 if ep.ejected else 0)
+        self.scraper.adopt(cluster_snapshot.load_views(snap))
+        self.routing.adopt(cluster_snapshot.class_shares(snap))
+
+    def _own_counts(self) -> Contribution:
+        in_flight = {f"{p.name}/{e.id}": e.in_flight for p in self.live.pools.values() for e in p.endpoints}
+        return Contribution(0.0, {k: n for k, n in in_flight.items() if n > 0}, self.routing.local_counts())
+
+    def _apply_counts(self) -> None:
+        remote = self.cluster.remote_in_flight() if self.cluster is not None else {}
+        for p in self.live.pools.values():
+            for e in p.endpoints:
+                e.remote_in_flight = remote.get(f"{p.name}/{e.id}", 0)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Runtime:
@@ -138,10 +211,13 @@ class Runtime:
 
     @property
     def ready(self) -> tuple[bool, str]:
-        if self.health.rounds == 0:
+        node = self.cluster
+        if self.health.rounds == 0 and (node is None or node.snapshots_applied == 0):
             return False, "first health check round not finished"
         if self.live.healthy_endpoints() == 0:
             return False, "no healthy endpoint"
+        if node is not None and node.role == "local":
+            return True, "ok (cluster: no fresh leader snapshot, scraping and deciding alone)"
         return True, "ok"
 
     async def start(self) -> None:
@@ -158,8 +234,12 @@ class Runtime:
             self.live.source,
             self.live.digest,
         )
-        self._tasks.append(asyncio.create_task(self.health.run(), name="specgate-health"))
-        self._tasks.append(asyncio.create_task(self.scraper.run(), name="specgate-scrape"))
+        if self.cluster is not None:
+            self.cluster.start()
+        health = run_every(self._health_round, lambda: self.settings.health_interval_s, what="health", log=logger)
+        scrape = run_every(self._scrape_round, lambda: self.live.rules.scrape.interval_s, what="scrape", log=logger)
+        self._tasks.append(asyncio.create_task(health, name="specgate-health"))
+        self._tasks.append(asyncio.create_task(scrape, name="specgate-scrape"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
         self._tasks.append(asyncio.create_task(self.store_health.run(), name="specgate-store-health"))
         try:  # overrides in force before the first request (a restart keeps them); else the task retries
@@ -175,6 +255,8 @@ class Runtime:
         self.reloader.start()
 
     async def stop(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()  # first: the lease is handed over while this replica still drains
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         await self.reloader.stop()

@@ -94,7 +94,7 @@ def _view(pool: PoolState, last: PoolView | None) -> PoolView:
             drained = False
             if e.healthy and not e.ejected:  # EndpointState.routable
                 routable += 1
-                in_flight += e.in_flight
+                in_flight += e.in_flight + e.remote_in_flight
         elif not e.weight <= 0:  # NaN: neither routable nor drained
             drained = False
     if (

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("admin",),
     ("proxy",),
     ("runtime",),
+    ("cluster",),
     ("overrides",),
     ("routing",),
     ("fleet",),

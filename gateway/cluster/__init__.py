@@ -1,0 +1,8 @@
+"""Cluster mode: several gateway replicas (and ``--workers``) acting as one, through Redis.
+
+- ``lease``: the leader lease (``SET NX PX`` + compare-and-set renew/release).
+- ``snapshot``: the fleet snapshot the leader publishes (endpoint health and ejections, pool loads, class shares)
+  and how a follower applies it.
+- ``node``: one replica's side: its role (leader / follower / local), publishing and following the snapshot, and
+  the shared in-flight and per-class counts.
+"""

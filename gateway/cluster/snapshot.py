@@ -1,0 +1,145 @@
+"""The fleet snapshot the leader publishes and every other replica routes on: plain JSON-able data.
+
+What it carries: per endpoint (``pool/id``) its health, last error and ejection (as the time left, since monotonic
+clocks differ between hosts); per pool the scraped load view; per controlled class its route state and share.
+``build`` reads it off the leader's structures; ``apply_endpoints`` / ``load_views`` / ``class_shares`` turn it
+back into what a follower's structures hold. Endpoints, pools and classes a replica does not have (a rollout
+with another config) are skipped, and the ones it has that the snapshot lacks keep their own state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.routing.controller import RouteState
+
+VERSION = 1
+_STATES: frozenset[str] = frozenset({"speculative", "split", "standard"})
+
+
+def build(
+    *,
+    leader: str,
+    seq: int,
+    at: float,
+    now: float,
+    config: str,
+    pools: Iterable[PoolState],
+    views: Mapping[str, PoolLoadView],
+    classes: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The snapshot as a dict. ``at``: wall-clock time (seconds since the epoch) it was taken; ``now``: the
+    leader's monotonic clock, to turn ejection deadlines into time left."""
+    endpoints: dict[str, Any] = {}
+    for pool in pools:
+        for e in pool.endpoints:
+            endpoints[f"{pool.name}/{e.id}"] = {
+                "healthy": e.healthy,
+                "error": e.last_error,
+                "ejected": e.ejected,
+                "ejected_for_s": max(0.0, e.ejected_until - now) if e.ejected else 0.0,
+            }
+    return {
+        "v": VERSION,
+        "leader": leader,
+        "seq": seq,
+        "at": at,
+        "config": config,
+        "endpoints": endpoints,
+        "pools": {name: _view_dict(v) for name, v in views.items()},
+        "classes": {
+            name: {"state": c["state"], "share": c["share"]}
+            for name, c in classes.items()
+            if c.get("state") in _STATES and isinstance(c.get("share"), int | float)
+        },
+    }
+
+
+def _view_dict(v: PoolLoadView) -> dict[str, Any]:
+    d = asdict(v)
+    for key, value in list(d.items()):  # NaN is not JSON: unknown is null
+        if isinstance(value, float) and not math.isfinite(value):
+            d[key] = None
+    return d
+
+
+def apply_endpoints(snapshot: Mapping[str, Any], pools: Iterable[PoolState], now: float) -> list[EndpointState]:
+    """Set health and ejection of the endpoints the snapshot knows; returns those whose health changed."""
+    known = snapshot.get("endpoints")
+    if not isinstance(known, dict):
+        return []
+    changed: list[EndpointState] = []
+    for pool in pools:
+        for e in pool.endpoints:
+            s = known.get(f"{pool.name}/{e.id}")
+            if not isinstance(s, dict):
+                continue
+            healthy = bool(s.get("healthy"))
+            if healthy != e.healthy:
+                changed.append(e)
+            e.healthy = healthy
+            error = s.get("error")
+            e.last_error = error if isinstance(error, str) else None
+            left = s.get("ejected_for_s")
+            e.ejected = bool(s.get("ejected"))
+            e.ejected_until = now + float(left) if e.ejected and isinstance(left, int | float) else 0.0
+    return changed
+
+
+def load_views(snapshot: Mapping[str, Any]) -> dict[str, PoolLoadView]:
+    """The leader's pool views; a malformed entry is left out (that pool reads as unknown, never as 0)."""
+    out: dict[str, PoolLoadView] = {}
+    pools = snapshot.get("pools")
+    if not isinstance(pools, dict):
+        return out
+    for name, d in pools.items():
+        try:
+            acc = d.get("acceptance")
+            acceptance = None
+            if isinstance(acc, dict):
+                acceptance = Acceptance(
+                    rate=float(acc["rate"]),
+                    mean_length=float(acc["mean_length"]),
+                    per_position=tuple(float(x) for x in acc.get("per_position", ())),
+                    drafts=float(acc["drafts"]),
+                )
+            out[name] = PoolLoadView(
+                pool=str(name),
+                endpoints=int(d["endpoints"]),
+                fresh_endpoints=int(d["fresh_endpoints"]),
+                running=_num(d.get("running")),
+                waiting=_num(d.get("waiting")),
+                kv_usage=_num(d.get("kv_usage")),
+                acceptance=acceptance,
+                tpot_mean_s=_num(d.get("tpot_mean_s")),
+                generation_tokens_per_s=_num(d.get("generation_tokens_per_s")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def class_shares(snapshot: Mapping[str, Any]) -> dict[str, tuple[RouteState, float]]:
+    """Each controlled class's (route state, speculative share) as the leader's controller has it."""
+    out: dict[str, tuple[RouteState, float]] = {}
+    classes = snapshot.get("classes")
+    if not isinstance(classes, dict):
+        return out
+    for name, c in classes.items():
+        if not isinstance(c, dict):
+            continue
+        state, share = c.get("state"), c.get("share")
+        if state in _STATES and isinstance(share, int | float) and 0.0 <= share <= 1.0:
+            out[str(name)] = (state, float(share))
+    return out
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)

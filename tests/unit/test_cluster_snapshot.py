@@ -1,0 +1,114 @@
+"""The cluster snapshot as data: built from a leader's structures, applied to a follower's; and the route state's
+follower mode (adopted shares, an on-call force still winning) and the other replicas' counts in its windows."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from gateway.cluster import snapshot
+from gateway.config.schema import Pool as PoolSpec
+from gateway.fleet.pools import PoolState
+from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.routing.route_state import RoutingState
+from tests.unit.test_routing_state import rules
+
+
+def _pool(name: str, kind: str, ids: list[str]) -> PoolState:
+    spec = PoolSpec.model_validate(
+        {
+            "name": name,
+            "kind": kind,
+            "models": ["m"],
+            "endpoints": [{"url": f"http://{i}:8000", "id": i} for i in ids],
+            **({"speculative": {"method": "eagle3", "num_speculative_tokens": 4}} if kind == "speculative" else {}),
+        }
+    )
+    return PoolState.from_spec(spec)
+
+
+def test_round_trip_through_json() -> None:
+    leader = [_pool("spec", "speculative", ["a", "b"]), _pool("std", "standard", ["c"])]
+    leader[0].endpoints[1].healthy = False
+    leader[0].endpoints[1].last_error = "/health returned 503"
+    leader[1].endpoints[0].ejected = True
+    leader[1].endpoints[0].ejected_until = 110.0
+    views = {
+        "spec": PoolLoadView("spec", 2, 1, 3.0, 1.0, 0.5, Acceptance(0.7, 3.1, (0.9, 0.6), 12.0), 0.02, math.nan),
+        "std": PoolLoadView("std", 1, 0, None, None, None, None, None, None),
+    }
+    classes = {"precise": {"state": "split", "share": 0.25}, "bad": {"state": "nope", "share": 2}}
+    snap = snapshot.build(
+        leader="r1", seq=3, at=1.0, now=100.0, config="abc", pools=leader, views=views, classes=classes
+    )
+    snap = orjson.loads(orjson.dumps(snap))  # what crosses Redis
+
+    follower = [_pool("spec", "speculative", ["a", "b"]), _pool("std", "standard", ["c", "new"])]
+    changed = snapshot.apply_endpoints(snap, follower, now=50.0)
+    assert [e.id for e in changed] == ["b"]
+    a, b = follower[0].endpoints
+    c, new = follower[1].endpoints
+    assert a.healthy
+    assert not b.healthy
+    assert b.last_error == "/health returned 503"
+    assert c.ejected
+    assert c.ejected_until == 60.0
+    assert new.healthy
+    assert not new.ejected
+    got = snapshot.load_views(snap)
+    assert got["spec"].acceptance == views["spec"].acceptance
+    assert got["spec"].generation_tokens_per_s is None  # NaN crosses as unknown, never 0
+    assert got["std"].stale
+    assert snapshot.class_shares(snap) == {"precise": ("split", 0.25)}
+
+
+def test_malformed_parts_are_left_out() -> None:
+    snap = {"pools": {"spec": {"endpoints": "x"}}, "classes": {"c": {"state": "split", "share": -1}}, "endpoints": 3}
+    assert snapshot.load_views(snap) == {}
+    assert snapshot.class_shares(snap) == {}
+    assert snapshot.apply_endpoints(snap, [_pool("spec", "speculative", ["a"])], now=0.0) == []
+
+
+def test_a_follower_routes_on_the_adopted_share_and_a_force_still_wins() -> None:
+    r = rules(preferred="spec", saturated="std")
+    rs = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: 0.0)
+    name = "code"
+    own = rs.choose(name, random.Random(0), count=False)
+    assert own is not None
+    rs.adopt({name: ("split", 0.5), "unknown-class": ("standard", 0.0)})
+    assert rs.adopted
+    picks = {rs.choose(name, random.Random(i), count=False).pick for i in range(50)}  # type: ignore[union-attr]
+    assert picks == {"speculative", "standard"}
+    rs.set_forced({name: ("standard", None)})
+    forced = rs.choose(name, random.Random(0), count=False)
+    assert forced is not None
+    assert forced.state == "standard"
+    assert forced.share == 0.0
+    rs.set_forced({})
+    rs.adopt({})
+    again = rs.choose(name, random.Random(0), count=False)
+    own_now = rs.snapshot()[name]
+    assert again is not None
+    assert (again.state, again.share) == (own_now["state"], own_now["share"])
+
+
+def test_the_other_replicas_requests_count_as_samples() -> None:
+    r = rules({"min_samples": 1000, "window_s": 10}, preferred="spec", saturated="std")
+    now = [0.0]
+    rs = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: now[0])
+    name = "code"
+    remote = {name: (0.0, 0.0, 0.0)}
+    rs.remote_counts = lambda: remote
+    rs.on_scrape_round(0.0, {})
+    remote[name] = (500.0, 0.0, 0.0)
+    now[0] = 1.0
+    rs.on_scrape_round(1.0, {})
+    assert rs.local_counts()[name][0] == 0.0
+    assert rs.snapshot(1.0)[name]["last_observation"]["samples"] == 500
+    remote[name] = (0.0, 0.0, 0.0)  # a replica left: its counts vanish, the window never goes negative
+    now[0] = 2.0
+    rs.on_scrape_round(2.0, {})
+    assert rs.snapshot(2.0)[name]["last_observation"]["samples"] == 0
