@@ -17,9 +17,11 @@ async def run_every(
     what: str,
     log: logging.Logger,
     sleep_first: bool = False,
+    wake: asyncio.Event | None = None,
 ) -> None:
     """``await step()`` every ``interval_s()`` seconds (read each round, so a reloaded config applies), measured from
-    the start of one step to the next. An exception other than cancellation is logged as ``"<what> failed"``."""
+    the start of one step to the next. An exception other than cancellation is logged as ``"<what> failed"``.
+    ``wake``: setting it starts the next step at once (e.g. a replica that just became the cluster's leader)."""
     if sleep_first:
         await asyncio.sleep(interval_s())
     while True:
@@ -30,7 +32,13 @@ async def run_every(
             raise
         except Exception:  # a bug here must not stop the loop for good
             log.exception("%s failed", what)
-        await asyncio.sleep(max(0.0, interval_s() - (time.monotonic() - started)))
+        delay = max(0.0, interval_s() - (time.monotonic() - started))
+        if wake is None:
+            await asyncio.sleep(delay)
+            continue
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), delay)
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:

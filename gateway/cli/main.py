@@ -234,6 +234,24 @@ def bench_controller_cmd(
     out.print(render(run, spec_pools), highlight=False, soft_wrap=True)
 
 
+@bench_app.command("cluster")
+def bench_cluster_cmd(
+    replicas: Annotated[int, typer.Option(help="Gateway replicas (in one process, sharing a private Redis).")] = 4,
+    endpoints: Annotated[int, typer.Option(help="Fake vLLM endpoints (one process, one port each).")] = 20,
+    interval: Annotated[float, typer.Option(help="Scrape and health interval, seconds.")] = 1.0,
+    duration: Annotated[float, typer.Option(help="Seconds of steady state measured.")] = 10.0,
+) -> None:
+    """Cluster mode at R replicas x E endpoints: scrape and health rates per endpoint, snapshot lag, share
+    agreement, failover time, Redis down and back (needs redis-server)."""
+    from gateway.bench.cluster import bench_cluster, render
+
+    try:
+        run = bench_cluster(replicas, endpoints, interval, duration)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render(run), highlight=False, soft_wrap=True)
+
+
 @bench_app.command("classify")
 def bench_classify_cmd(
     rules: Annotated[Path, typer.Option(help="Routing YAML.")] = Path("routing_rules/default.yaml"),

@@ -89,6 +89,7 @@ class Runtime:
         # Cluster mode (with Redis): one replica leads (scrapes, checks health, runs the controllers) and publishes
         # a snapshot the others route on; all share their in-flight and class counts (gateway.cluster.node).
         self.cluster: ClusterNode | None = None
+        self._scrape_now = asyncio.Event()  # set when this replica becomes the leader: scrape and publish at once
         if settings.redis_url is not None and settings.cluster:
             client, subscriber = connect(settings.redis_url)
             self.cluster = ClusterNode(
@@ -99,6 +100,7 @@ class Runtime:
                 on_snapshot=self._adopt,
                 own_counts=self._own_counts,
                 on_counts=self._apply_counts,
+                on_lead=self._scrape_now.set,
                 registry=self.metrics.registry,
             )
             self.routing.remote_counts = self.cluster.remote_class_counts
@@ -237,7 +239,13 @@ class Runtime:
         if self.cluster is not None:
             self.cluster.start()
         health = run_every(self._health_round, lambda: self.settings.health_interval_s, what="health", log=logger)
-        scrape = run_every(self._scrape_round, lambda: self.live.rules.scrape.interval_s, what="scrape", log=logger)
+        scrape = run_every(
+            self._scrape_round,
+            lambda: self.live.rules.scrape.interval_s,
+            what="scrape",
+            log=logger,
+            wake=self._scrape_now,
+        )
         self._tasks.append(asyncio.create_task(health, name="specgate-health"))
         self._tasks.append(asyncio.create_task(scrape, name="specgate-scrape"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
