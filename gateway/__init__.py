@@ -15,8 +15,8 @@ In the background (``runtime.container``): ``fleet.scraper`` and ``fleet.health`
 ``routing.route_state`` runs the class controllers on what they read, ``overrides`` syncs on-call changes
 (``store``: memory or Redis), ``runtime.reload`` swaps in a new routing YAML (``config``). ``admin`` is the
 on-call API, ``cli`` the ``specgate`` command; ``sim`` simulates vLLM, ``bench`` and ``report`` measure.
-Layers only point down: cli -> admin -> proxy -> runtime -> overrides -> routing -> fleet -> config -> store ->
-observability (``tests/unit/test_layers.py`` checks it).
+Layers only point down: cli -> admin -> proxy -> runtime -> cluster -> overrides -> routing -> fleet -> config ->
+store -> observability (``tests/unit/test_layers.py`` checks it). ``cluster`` makes several replicas act as one.
 """
 
 __version__ = "0.1.0"

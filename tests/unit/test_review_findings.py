@@ -76,13 +76,22 @@ def test_sse_splitter_is_linear_in_the_events_of_one_read() -> None:
 def test_sse_splitter_is_linear_in_the_size_of_one_event() -> None:
     import time
 
-    event = b"data: " + b"x" * (8 << 20) + b"\n\n"  # 8 MiB, arriving in 64 KiB reads
-    splitter = SSESplitter()
-    t0 = time.perf_counter()
-    events = [e for i in range(0, len(event), 1 << 16) for e in splitter.feed(event[i : i + (1 << 16)])]
-    elapsed = time.perf_counter() - t0
-    assert events == [event]
-    assert elapsed < 0.25, f"{elapsed * 1000:.0f} ms of event loop for one 8 MiB event (linear: ~10 ms)"
+    def cost(size: int) -> float:
+        """The best of three: the event loop time to split one event of ``size`` bytes read 64 KiB at a time."""
+        event = b"data: " + b"x" * size + b"\n\n"
+        best = float("inf")
+        for _ in range(3):
+            splitter = SSESplitter()
+            t0 = time.perf_counter()
+            events = [e for i in range(0, len(event), 1 << 16) for e in splitter.feed(event[i : i + (1 << 16)])]
+            best = min(best, time.perf_counter() - t0)
+            assert events == [event]
+        return best
+
+    # A ratio, not a deadline (a busy machine slows both alike): 8x the size costs ~8x when linear, ~64x when
+    # the buffer is rescanned or copied per read (quadratic).
+    small, large = cost(1 << 20), cost(8 << 20)
+    assert large / small < 24, f"1 MiB: {small * 1000:.1f} ms, 8 MiB: {large * 1000:.1f} ms"
 
 
 # --------------------------------------------------------------------------------------------------------------
