@@ -251,7 +251,10 @@ def test_cpu_meter_sees_a_busy_child_and_an_idle_one() -> None:
         idle.kill()
         busy.wait()
         idle.wait()
-    assert cpu["busy"] > 0.3  # a spinning process: most of a core even on a loaded machine
+    # A spinning process gets a core on a quiet machine and a share of one on a busy one: compared with the idle
+    # one, not with a fixed share.
+    assert cpu["busy"] > 0.05
+    assert cpu["busy"] > 10 * cpu["idle"]
     assert cpu["idle"] < 0.1
     assert cpu["me"] < 0.5  # this process slept
     assert CpuMeter({"gone": busy.pid}).stop() == {}  # a process that is gone is left out, not zero
