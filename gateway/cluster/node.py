@@ -230,12 +230,17 @@ class ClusterNode:
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks = []
-        await self.lease.release()  # a clean handover: the next replica takes it at its next tick
-        with contextlib.suppress(RedisError, OSError):
-            await self._client.hdel(self.contrib_key, self.replica)
+        # A clean handover (the next replica takes the lease at its next tick), bounded: shutdown never waits on
+        # an unreachable Redis for long.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self.lease.release()
+                with contextlib.suppress(RedisError, OSError):
+                    await self._client.hdel(self.contrib_key, self.replica)
         for c in (self._client, self._subscriber):
-            with contextlib.suppress(RedisError, OSError, RuntimeError):
-                await c.aclose()
+            with contextlib.suppress(RedisError, OSError, RuntimeError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await c.aclose()
 
     async def _lease_tick(self) -> None:
         was = self.lease.held

@@ -77,8 +77,13 @@ async def replicas(tmp_path: Path) -> AsyncIterator[Start]:
         return rt
 
     yield start
+    hung = []
     for rt in started:
-        await rt.stop()
+        try:  # a shutdown that never ends must fail here, never hang the suite
+            await asyncio.wait_for(rt.stop(), 30)
+        except TimeoutError:
+            hung.append([t for t in asyncio.all_tasks() if not t.done()])
+    assert not hung, f"Runtime.stop did not finish; tasks left: {hung}"
 
 
 async def _until(check: Callable[[], bool], timeout_s: float, what: str) -> float:
