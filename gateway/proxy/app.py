@@ -43,6 +43,7 @@ from gateway.proxy.idempotency import (
 )
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, cancel_response, for_create, retrieve_response
+from gateway.proxy.tokens import detokenize, tokenize
 from gateway.proxy.wire import JSON_CONTENT_TYPE, envelope
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import decide
@@ -430,6 +431,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Starlette:
         *(Route(path, handler, methods=["POST"]) for path, handler in proxy_routes.items()),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

@@ -2,7 +2,8 @@
 and the ``/sim/*`` control API.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and not), ``POST /v1/responses``,
-``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (``responses``), ``GET /v1/models``,
+``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (``responses``), ``POST /tokenize``,
+``POST /detokenize``, ``GET /v1/models``,
 ``GET /health`` and ``GET /ping`` (200 empty; 503 when faulted or the engine is stopped), ``GET /version``,
 ``GET /metrics``; ``GET /sim/stats``, ``GET/PUT /sim/faults``, ``POST /sim/faults/reset``, ``GET /sim/options``.
 ``--api-key`` protects ``/v1/*`` only, like vLLM's middleware.
@@ -181,6 +182,36 @@ def create_sim_app(options: SimOptions) -> Starlette:
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await parse_body(request)
+            model = body.get("model") or served[0]
+            if model not in served:
+                raise wire.model_not_found(model, served)
+            if isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            elif isinstance(body.get("messages"), list):
+                text = wire.chat_text(body)
+            else:
+                raise wire.WireError(400, "prompt or messages: Field required.", param="prompt")
+        except wire.WireError as exc:
+            return _error(exc)
+        tokens = wire.token_ids(text)
+        return _json({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await parse_body(request)
+            model = body.get("model") or served[0]
+            if model not in served:
+                raise wire.model_not_found(model, served)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+                raise wire.WireError(400, "tokens: a list of non-negative integers is required.", param="tokens")
+        except wire.WireError as exc:
+            return _error(exc)
+        return _json({"prompt": "".join(wire.pseudo_tokens(sum(tokens), len(tokens)))})
+
     async def models(request: Request) -> Response:
         return _json(
             wire.model_list(served, created=state.created, max_model_len=state.max_model_len, root=options.model)
@@ -251,6 +282,8 @@ def create_sim_app(options: SimOptions) -> Starlette:
         Route("/v1/responses", responses_create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses_get, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", responses_cancel, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

@@ -51,6 +51,7 @@ from gateway.sim.parsing import (
     count_tokens,
     guess_task,
     parse_request,
+    token_ids,
 )
 from gateway.sim.pseudotext import pseudo_tokens, request_seed
 
@@ -90,6 +91,7 @@ __all__ = [
     "sse_event",
     "stream_usage",
     "system_fingerprint",
+    "token_ids",
     "usage",
 ]
 

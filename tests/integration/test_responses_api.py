@@ -176,15 +176,24 @@ def test_cut_stream_raises_in_the_sdk(gw: ServerThread, clean: list[SimServer]) 
 
 
 def test_idempotency_key_replays_a_streamed_response(gw: ServerThread) -> None:
-    body = {"model": MODEL, "input": "Tell me about the sea.", "stream": True}
-    headers = {"Idempotency-Key": "resp-stream-1", "Authorization": "Bearer k"}
-    with httpx.Client(timeout=30) as h:
-        first = h.post(gw.url + "/v1/responses", json=body, headers=headers)
-        again = h.post(gw.url + "/v1/responses", json=body, headers=headers)
-    assert first.status_code == again.status_code == 200
-    assert again.headers["idempotent-replayed"] == "true"
-    assert again.content == first.content
-    assert b"event: response.completed" in first.content
+    c = client(gw)
+    key = {"Idempotency-Key": "resp-stream-1"}
+    runs = []
+    for _ in range(2):
+        raw = c.responses.with_raw_response.create(
+            model=MODEL, input="Tell me about the sea.", stream=True, extra_headers=key
+        )
+        runs.append((raw.headers.get("idempotent-replayed"), [e.model_dump() for e in raw.parse()]))
+    (first_flag, first), (again_flag, again) = runs
+    assert (first_flag, again_flag) == (None, "true")
+    assert again == first  # the same events, the same response id: generated once
+    assert first[-1]["type"] == "response.completed"
+    with httpx.Client(timeout=30) as h:  # the stored transcript is the exact bytes
+        body = {"model": MODEL, "input": "x", "stream": True}
+        headers = {"Idempotency-Key": "resp-stream-2", "Authorization": "Bearer k"}
+        assert h.post(gw.url + "/v1/responses", json=body, headers=headers).content == (
+            h.post(gw.url + "/v1/responses", json=body, headers=headers).content
+        )
 
 
 def test_previous_response_id_over_two_replicas_sharing_redis(
