@@ -25,9 +25,21 @@ def _series(points: list[Point]) -> dict[str, list[Point]]:
     return {k: sorted(v, key=lambda p: p.load) for k, v in out.items()}
 
 
+# matplotlib is an optional dependency: the runtime image and a plain ``pip install specgate`` go without it.
+BENCH_EXTRA_HINT = "pip install 'specgate[bench]'"
+
+
+class PlotsUnavailable(RuntimeError):
+    """matplotlib (the ``bench`` extra) is not installed: the report goes without plots."""
+
+
 def plot_points(points: list[Point], out_dir: Path) -> list[str]:
-    """One PNG per metric plus ``policies.png`` with all four; the file names."""
-    import matplotlib
+    """One PNG per metric plus ``policies.png`` with all four; the file names. ``PlotsUnavailable`` without
+    matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotsUnavailable(f"plots not drawn: matplotlib is not installed ({BENCH_EXTRA_HINT})") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,8 +152,27 @@ def render_report(
     parts += ["## errors", "", table(points, lambda p: float(p.summary.errors), 0), ""]
     parts += ["## share answered by a speculative server", "", table(points, lambda p: p.summary.spec_share, 2), ""]
     parts += harness_cpu(points)
-    parts += ["## Plots", "", *[f"![{name}]({name})" for name in plots], ""]
+    shown = [f"![{name}]({name})" for name in plots] or [f"- not drawn: matplotlib not installed ({BENCH_EXTRA_HINT})"]
+    parts += ["## Plots", "", *shown, ""]
     return "\n".join(parts)
+
+
+def write_report(
+    points: list[Point],
+    mix: Mix,
+    setup: Setup,
+    capacity_how: str,
+    out_dir: Path,
+    policies: tuple[str, ...],
+    log: Callable[[str], None],
+) -> None:
+    """The plots (when matplotlib is there; otherwise one line to ``log`` saying how to get them) and report.md."""
+    try:
+        plots = plot_points(points, out_dir)
+    except PlotsUnavailable as exc:
+        log(str(exc))
+        plots = []
+    (out_dir / "report.md").write_text(render_report(points, mix, setup, capacity_how, plots, policies))
 
 
 def harness_cpu(points: list[Point]) -> list[str]:

@@ -44,8 +44,9 @@ from gateway.bench.controller import scaled_rules
 from gateway.bench.cpu import CpuMeter
 from gateway.bench.load import Result, arrival_times, run_load, summarise, write_jsonl
 from gateway.bench.mix import Mix, plan_request
-from gateway.bench.plots import plot_points, render_report
+from gateway.bench.plots import write_report
 from gateway.bench.points import LABELS, POLICIES, POLICY_FILES, Point, Setup
+from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET, free_port, spec_config_json, wait_for_port
 from gateway.sim.physics import step_time
 from gateway.sim.presets import get_preset
@@ -274,7 +275,7 @@ def bench_policies(
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
-    adaptive = yaml.safe_load((root / (mix.rules or "routing_rules/default.yaml")).read_text())
+    adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
     capacity, how = estimate_capacity(mix, setup)
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "results.jsonl"
@@ -288,6 +289,5 @@ def bench_policies(
     for policy in policies:
         rules = policy_rules(policy, adaptive, root)
         points += run_policy(policy, rules, mix, loads, capacity, setup, jsonl=jsonl, log=log)
-    plots = plot_points(points, out_dir)
-    (out_dir / "report.md").write_text(render_report(points, mix, setup, how, plots, policies))
+    write_report(points, mix, setup, how, out_dir, policies, log)
     return points

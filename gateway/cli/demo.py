@@ -28,7 +28,7 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
     from gateway.cli.serve import run_server
 
     if not rules_path.exists():
-        raise RuntimeError(f"{rules_path} not found (run from the repository root, or pass --rules)")
+        raise RuntimeError(f"{rules_path} not found")
     rules = yaml.safe_load(rules_path.read_text())
     ports = {p["name"]: free_port() for p in rules["pools"]}
     stand_ins = plan_stand_ins(rules, ports, time_scale=time_scale)

@@ -16,6 +16,7 @@ from rich.markup import escape
 from gateway import __version__
 from gateway.cli.console import err, out
 from gateway.cli.console import fail as _fail
+from gateway.config.packaged import DEFAULT_RULES
 from gateway.config.settings import Settings, SettingsError
 
 app = typer.Typer(
@@ -134,15 +135,16 @@ def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
-    rules: Annotated[Path, typer.Option(help="Routing YAML whose pools get simulated endpoints.")] = Path(
-        "routing_rules/default.yaml"
-    ),
+    rules: Annotated[
+        Path | None,
+        typer.Option(help="Routing YAML whose pools get simulated endpoints [default: the packaged default YAML]."),
+    ] = None,
 ) -> None:
     """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
     from gateway.cli.demo import run_demo
 
     try:
-        run_demo(rules, port)
+        run_demo(rules or DEFAULT_RULES, port)
     except (OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 
@@ -211,9 +213,10 @@ def bench_overhead_cmd(
 
 @bench_app.command("controller")
 def bench_controller_cmd(
-    rules: Annotated[Path, typer.Option(help="Routing YAML; its pools get simulated servers.")] = Path(
-        "routing_rules/default.yaml"
-    ),
+    rules: Annotated[
+        Path | None,
+        typer.Option(help="Routing YAML; its pools get simulated servers [default: the packaged default YAML]."),
+    ] = None,
     phases: Annotated[
         str, typer.Option(help="Load phases, name:requests-per-second:seconds, comma-separated.")
     ] = "low:10:15,high:80:40,low:10:30",
@@ -227,7 +230,11 @@ def bench_controller_cmd(
 
     try:
         run, spec_pools = bench_controller(
-            rules, parse_phases(phases), time_scale=time_scale, max_num_seqs=max_num_seqs, output_len=output_len
+            rules or DEFAULT_RULES,
+            parse_phases(phases),
+            time_scale=time_scale,
+            max_num_seqs=max_num_seqs,
+            output_len=output_len,
         )
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
@@ -254,13 +261,13 @@ def bench_cluster_cmd(
 
 @bench_app.command("classify")
 def bench_classify_cmd(
-    rules: Annotated[Path, typer.Option(help="Routing YAML.")] = Path("routing_rules/default.yaml"),
+    rules: Annotated[Path | None, typer.Option(help="Routing YAML [default: the packaged default YAML].")] = None,
     n: Annotated[int, typer.Option(help="Requests in the mix.")] = 20000,
 ) -> None:
     """Cost of classifying one request (parse + features + class), on a realistic mix."""
     from gateway.bench.classify import run
 
-    out.print(run(str(rules), n).render(), highlight=False, soft_wrap=True)
+    out.print(run(str(rules or DEFAULT_RULES), n).render(), highlight=False, soft_wrap=True)
 
 
 @bench_app.command("sim-sweep")

@@ -3,6 +3,8 @@
 - ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``).
 - ``schema``: the routing YAML as strict pydantic models; ``checks``: whole-document checks;
   ``loader``: parse + validate with errors that name the YAML path and line; ``jsonschema``: the editor schema.
+- ``packaged``: files shipped in the package: ``default_rules.yaml``, the default routing YAML (a copy of the
+  repository's ``routing_rules/default.yaml``, kept equal by a test), for ``specgate demo`` and the benchmarks.
 
 The live snapshot built from a loaded YAML, and its hot reload, are in ``gateway.runtime``.
 """

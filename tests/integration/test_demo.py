@@ -1,5 +1,5 @@
-"""`make run` (`specgate demo`) as a process: it serves, and a SIGTERM (docker stop, a supervisor) takes its
-simulated servers down with it."""
+"""`make run` (`specgate demo`) as a process: it serves from any directory (the default routing YAML is shipped in
+the package), and a SIGTERM (docker stop, a supervisor) takes its simulated servers down with it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import httpx
 import openai
 
 from gateway.sim.launch import free_port, wait_for_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _children(pid: int) -> list[int]:
@@ -35,11 +33,11 @@ def _alive(pid: int) -> bool:
     return " Z " not in stat  # a zombie has exited
 
 
-def test_demo_serves_and_sigterm_stops_its_simulated_servers() -> None:
+def test_demo_serves_and_sigterm_stops_its_simulated_servers(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
-        cwd=ROOT,
+        cwd=tmp_path,  # not the repository root: no routing_rules/ here
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
