@@ -1,4 +1,4 @@
-"""The published shape of speculative decoding, measured through the simulator's HTTP API (issue 3, "Done means").
+"""The published shape of speculative decoding, measured through the simulator's HTTP API.
 
 Two simulated ``vllm serve`` on the ``llama70b-4xh100`` preset, one standard and one with a draft model
 (``draft_model``, K=4), every request's acceptance fixed at a=0.7. At each load level a closed loop of exactly N
@@ -10,7 +10,7 @@ harness's wall time never enters the number. Acceptance comes from the ``vllm:sp
 Choices:
 
 - ``draft_model`` rather than ``eagle3``: the preset's draft-model cost (a 0.5B draft, Qwama-0.5B in the vLLM blog)
-  is the one calibrated on VLLM.md's worked example (1.60× at batch 1 … 0.89× at 256). An EAGLE-3 head is so cheap
+  is the one calibrated on the published worked example (1.60× at batch 1 … 0.89× at 256). An EAGLE-3 head is so cheap
   that at 1,500-token contexts it only breaks even at batch 256 (about 0.996×): no clear reversal to assert.
 - Short prompts (64 tokens instead of the worked example's 1,500): the decode shape barely depends on the context
   (α·N_kv is small next to γ·B·(K+1)); shorter contexts reverse a little earlier (analytic, ~128-token contexts:
@@ -334,7 +334,7 @@ def test_published_shape_and_acceptance_through_http(pair: Pair) -> None:
     # and verification stops at the first rejection (the number accepted is a truncated geometric variable).
     # 1. Per-position acceptance of position 0 = Δper_pos{position="0"} / Δdrafts estimates a itself: a binomial
     #    proportion over Δdrafts independent trials, standard error sqrt(a(1−a)/n).
-    # 2. vLLM's "acceptance rate" (VLLM.md: Δaccepted / Δdraft_tokens) is NOT a: it is E[accepted] / K, with
+    # 2. vLLM's "acceptance rate" (Δaccepted / Δdraft_tokens) is NOT a: it is E[accepted] / K, with
     #    E[accepted] = a + a² + … + a^K = (a − a^(K+1)) / (1 − a), i.e. ≈ 0.444 at a=0.7, K=4. Its standard error is
     #    sqrt(Var[accepted] / n) / K, with the variance of the truncated geometric computed exactly below.
     # Both are asserted within 4 standard errors.

@@ -1,4 +1,4 @@
-"""Classification: request body + X-Task-Type + routing rules → features → traffic class (issue 2, §4 and §9).
+"""Classification: request body + X-Task-Type + routing rules → features → traffic class.
 
 Three parts: a table of requests against a small routing config written here (so that every border is
 deliberate), the error cases (each a 400 naming the parameter), a property test (any JSON-like body either

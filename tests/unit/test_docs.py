@@ -5,8 +5,8 @@
 - Every `specgate_*` metric the gateway registers has a row in docs/metrics.md's table.
 - Every relative link in README.md and docs/*.md points at a file that exists, and at a heading that exists when
   it names one.
-- No text in README.md, docs/, gateway/ and the shipped configuration points at a document outside the
-  repository (the design notes, the vLLM notes, the seed documents, issue numbers).
+- No text in README.md, docs/, gateway/, tests/ and the shipped configuration and deploy files points at a
+  document outside the repository (design notes, vLLM notes, seed documents, issue numbers).
 """
 
 from __future__ import annotations
@@ -204,9 +204,21 @@ _OUTSIDE = re.compile(r"DESIGN\.md|VLLM\.md|\bseeds/|\bissue \d+|\bissues? #\d+"
 
 
 def standalone_files() -> list[Path]:
+    """The text a reader of the repository meets: docs, code, tests, the shipped configuration and deploy files."""
     files = markdown_files()
-    files += sorted((ROOT / "gateway").rglob("*.py"))
-    return files
+    for folder, patterns in {
+        "gateway": ("*.py",),
+        "tests": ("*.py",),
+        "routing_rules": ("*.yaml", "*.json"),
+        "bench": ("*.yaml",),
+        "docker": ("*.yaml", "*.yml", "Dockerfile"),
+        "deploy": ("*.yaml", "*.json"),
+        "helm": ("*.yaml", "*.json", "*.tpl", "*.txt"),
+    }.items():
+        for pattern in patterns:
+            files += sorted((ROOT / folder).rglob(pattern))
+    this = Path(__file__).resolve()
+    return [f for f in files if f.resolve() != this]  # this file spells the patterns out
 
 
 def test_no_reference_to_documents_outside_the_repository() -> None:

@@ -127,7 +127,7 @@ async def tpot_pair(conc: int, attempts: int = 1, **kw: Any) -> tuple[float, flo
 
 
 def assert_published_shape(ratios: dict[int, float]) -> None:
-    """VLLM.md's worked example: 1.60× at 1, 1.43× at 16, 1.15× at 64, ≈1.0× at 128, 0.89× at 256."""
+    """The published worked example: 1.60× at 1, 1.43× at 16, 1.15× at 64, ≈1.0× at 128, 0.89× at 256."""
     assert ratios[1] >= 1.3
     assert ratios[1] < 1.8
     assert ratios[1] > ratios[16] > ratios[64] > ratios[128] > ratios[256]
@@ -176,7 +176,7 @@ async def test_acceptance_from_the_counters_matches_the_configured_a() -> None:
     per_pos = [value(engine, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)]
     assert draft_tokens == k * drafts
     assert accepted == sum(per_pos)
-    # the first position is accepted with probability a; each later one with a given the previous (VLLM.md)
+    # the first position is accepted with probability a; each later one with a given the previous
     se = math.sqrt(a * (1 - a) / drafts)
     assert per_pos[0] / drafts == pytest.approx(a, abs=4 * se)
     mle = accepted / (accepted + drafts - per_pos[-1])  # successes / trials of the truncated geometric

@@ -62,7 +62,7 @@ def test_presets() -> None:
 
 
 def test_worked_example_shape_70b() -> None:
-    """VLLM.md: K=4, a=0.7, 1,500-token contexts: 1.60× at 1, 1.43× at 16, 1.15× at 64, ≈1.0× at 128, 0.89× at 256."""
+    """Published: K=4, a=0.7, 1,500-token contexts: 1.60× at 1, 1.43× at 16, 1.15× at 64, ≈1.0× at 128, 0.89× at 256."""
     p = get_preset("llama70b-4xh100")
     published = {1: 1.60, 16: 1.43, 64: 1.15, 128: 1.0, 256: 0.89}
     got = {b: decode_speedup(p, "draft_model", 4, 0.7, b, 1500) for b in published}
