@@ -1,6 +1,6 @@
 """The documentation stays true to the code and to itself.
 
-- README.md opens with exactly two commands, `make run` and `make test`.
+- README.md opens with exactly two commands, `make run` and `make test`, and links every page of docs/.
 - Every flag and environment variable of `specgate serve` has a row in docs/configuration.md's table.
 - Every `specgate_*` metric the gateway registers has a row in docs/metrics.md's table.
 - Every relative link in README.md and docs/*.md points at a file that exists, and at a heading that exists when
@@ -59,6 +59,12 @@ def test_readme_starts_with_the_two_commands() -> None:
 
 def test_readme_stays_a_front_page() -> None:
     assert len(README.read_text().splitlines()) <= 250, "move the detail to docs/ and link it"
+
+
+def test_every_doc_is_linked_from_the_readme() -> None:
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in relative_links(README)}
+    unlinked = [str(d.relative_to(ROOT)) for d in sorted(DOCS.glob("*.md")) if d.resolve() not in linked]
+    assert not unlinked, f"link these from the Documentation list of README.md: {unlinked}"
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
