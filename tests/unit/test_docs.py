@@ -4,7 +4,7 @@
 - Every flag and environment variable of `specgate serve` has a row in docs/configuration.md's table.
 - Every `specgate_*` metric the gateway registers has a row in docs/metrics.md's table.
 - Every relative link in README.md and docs/*.md points at a file that exists, and at a heading that exists when
-  it names one.
+  it names one; every repository path they name in a code span exists.
 - No text in README.md, docs/, gateway/, tests/ and the shipped configuration and deploy files points at a
   document outside the repository (design notes, vLLM notes, seed documents, issue numbers).
 """
@@ -176,6 +176,24 @@ def relative_links(path: Path) -> list[str]:
     text = _FENCE.sub("", path.read_text())
     text = re.sub(r"`[^`\n]*`", "", text)  # code spans are not links
     return [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+_REPO_PATH = re.compile(r"`((?:gateway|routing_rules|docs|deploy|docker|helm|bench|tests|tools)/[\w./-]*)`")
+
+
+@pytest.mark.parametrize("doc", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_named_in_the_docs_exists(doc: Path) -> None:
+    """A path in a code span (`gateway/config/settings.py`) must still be there after code moves."""
+    gone = [p for p in _REPO_PATH.findall(doc.read_text()) if not (ROOT / p).exists()]
+    assert not gone, f"{doc.relative_to(ROOT)} names paths that do not exist: {gone}"
+
+
+def test_the_path_check_sees_paths() -> None:
+    assert _REPO_PATH.findall("in `gateway/settings.py` and `docs/`, not `specgate serve`") == [
+        "gateway/settings.py",
+        "docs/",
+    ]
+    assert not (ROOT / "gateway/settings.py").exists()  # the old place of the settings: it would be reported
 
 
 def test_github_anchor() -> None:
