@@ -2,7 +2,8 @@
 
 - README.md opens with exactly two commands, `make run` and `make test`, and links every page of docs/.
 - Every flag and environment variable of `specgate serve` has a row in docs/configuration.md's table.
-- Every `specgate_*` metric the gateway registers has a row in docs/metrics.md's table.
+- Every `specgate_*` metric the gateway registers has a row in docs/metrics.md's table, and every admin route one
+  in docs/operations.md's.
 - Every relative link in README.md and docs/*.md points at a file that exists, and at a heading that exists when
   it names one; every repository path they name in a code span exists.
 - No text in README.md, docs/, gateway/, tests/ and the shipped configuration and deploy files points at a
@@ -93,6 +94,24 @@ def test_every_serve_flag_and_variable_is_in_the_configuration_table() -> None:
         envvars = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
         missing += [env for env in envvars if env not in cells]
     assert not missing, f"add a row to the flag table of docs/configuration.md for: {missing}"
+
+
+def test_every_admin_route_is_in_the_operations_table() -> None:
+    """The admin API's OpenAPI description (kept in step with the routes by its own test) against the table."""
+    from gateway.admin.openapi import openapi
+
+    def shape(route: str) -> str:
+        method, path = route.split(" ", 1)
+        return method + " " + re.sub(r"\{[^}]*\}", "{}", path.split("?")[0])
+
+    documented = {shape(c) for c in re.findall(r"`([A-Z]+ /admin/[^`]*)`", (DOCS / "operations.md").read_text())}
+    missing = [
+        f"{method.upper()} {path}"
+        for path, operations in openapi()["paths"].items()
+        for method in operations
+        if method in ("get", "put", "post", "delete", "patch") and shape(f"{method.upper()} {path}") not in documented
+    ]
+    assert not missing, f"add these admin routes to the Admin API table of docs/operations.md: {missing}"
 
 
 # -- metrics -------------------------------------------------------------------------------------------------------
