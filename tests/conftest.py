@@ -18,6 +18,7 @@ from starlette.types import ASGIApp
 
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
+from gateway.proxy.limits import head_limits, http_protocol
 from gateway.testing.fake_upstream import FakeConfig, FakeUpstreamServer
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -27,14 +28,20 @@ SPEC_ONLY_MODEL = "spec-only-model"
 class ServerThread:
     """Any ASGI app on a real loopback socket, served by uvicorn in a background thread."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, **config: Any) -> None:
         self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
+        options: dict[str, Any] = {
+            "log_config": None,
+            "access_log": False,
+            "lifespan": "on",
+            "timeout_graceful_shutdown": 1,
+            **config,
+        }
+        self._server = uvicorn.Server(uvicorn.Config(app, **options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property
@@ -127,8 +134,9 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
         path.write_text(yaml.safe_dump(rules, sort_keys=False))
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("health_timeout_s", 0.5)
-        app = create_app(Settings(rules=path, host="127.0.0.1", port=8080, **settings))
-        server = ServerThread(app).start()
+        config = Settings(rules=path, host="127.0.0.1", port=8080, **settings)
+        app = create_app(config)
+        server = ServerThread(app, http=http_protocol(head_limits(config))).start()  # as ``specgate serve``
         started.append(server)
         deadline = time.monotonic() + 5
         while app.state.runtime.health.rounds == 0 and time.monotonic() < deadline:

@@ -52,6 +52,32 @@ def serve(
     max_body_bytes: Annotated[
         int, typer.Option(envvar="SPECGATE_MAX_BODY_BYTES", help="Largest accepted request body.")
     ] = 8 * 1024 * 1024,
+    max_header_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_HEADER_BYTES", help="Largest request head (request line + headers); past it: 431."
+        ),
+    ] = 64 * 1024,
+    max_headers: Annotated[
+        int, typer.Option(envvar="SPECGATE_MAX_HEADERS", help="Most header fields in one request; past it: 431.")
+    ] = 100,
+    max_json_depth: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_JSON_DEPTH", help="Deepest nesting of a request body (<= 250); past it: 400."
+        ),
+    ] = 128,
+    max_detached: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_DETACHED",
+            help="Keyed generations kept running after their client left, in total; past it they are cancelled.",
+        ),
+    ] = 64,
+    max_detached_per_client: Annotated[
+        int,
+        typer.Option(envvar="SPECGATE_MAX_DETACHED_PER_CLIENT", help="The same, per client (bearer token)."),
+    ] = 8,
     api_keys: Annotated[
         str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
     ] = "",
@@ -98,6 +124,11 @@ def serve(
             port=port,
             workers=workers,
             max_body_bytes=max_body_bytes,
+            max_header_bytes=max_header_bytes,
+            max_headers=max_headers,
+            max_json_depth=max_json_depth,
+            max_detached=max_detached,
+            max_detached_per_client=max_detached_per_client,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
             health_interval_s=health_interval_s,

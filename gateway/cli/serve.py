@@ -30,6 +30,7 @@ from gateway.admin.app import create_admin_app
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
+from gateway.proxy.limits import head_limits, http_protocol
 
 logger = logging.getLogger("specgate")
 
@@ -160,7 +161,7 @@ def run_server(settings: Settings) -> None:
         "log_config": None,
         "access_log": False,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": http_protocol(head_limits(settings)),  # uvicorn's httptools, with the request-head limits
         "timeout_graceful_shutdown": 30,
     }
     if settings.workers == 1:

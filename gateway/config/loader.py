@@ -19,7 +19,7 @@ import json
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,9 +113,32 @@ def load_rules_text(text: str, source: str = "<string>") -> RoutingRules:
         raise RulesError(_in_line_order(issues), source) from exc
 
     issues.extend(ConfigIssue(format_path(loc), msg, _line_of(root, loc)) for loc, msg in semantic_issues(rules))
+    issues.extend(ConfigIssue(format_path(loc), msg, _line_of(root, loc)) for loc, msg in pool_key_issues(rules))
     if issues:
         raise RulesError(_in_line_order(issues), source)
     return rules
+
+
+def pool_key_issues(rules: RoutingRules, environ: Mapping[str, str] | None = None) -> list[tuple[Loc, str]]:
+    """Pool keys (the values of ``api_key_env``) that cannot be sent as one header line: a control character
+    (CR, LF, NUL, ...) inside the key would be written into the upstream request head. Surrounding whitespace is
+    fine (a key read from a secret file often ends in a newline; the client strips it)."""
+    env = os.environ if environ is None else environ
+    out: list[tuple[Loc, str]] = []
+    for i, pool in enumerate(rules.pools):
+        if not pool.api_key_env:
+            continue
+        value = env.get(pool.api_key_env, "").strip()
+        bad = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
+        if bad is not None:
+            out.append(
+                (
+                    ("pools", i, "api_key_env"),
+                    f"the value of ${pool.api_key_env} contains a control character ({bad!r}): a pool key must be "
+                    "one line of visible characters",
+                )
+            )
+    return out
 
 
 def check_rules(rules: RoutingRules) -> list[ConfigIssue]:

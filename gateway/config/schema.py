@@ -368,6 +368,17 @@ class Pool(_Strict):
     )
     timeouts: Timeouts = Field(default_factory=Timeouts)
     max_connections: int = Field(256, gt=0, description="Connection pool size per endpoint.")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Largest non-streaming answer (and largest decoded body of a compressed one) the gateway reads "
+        "from the pool; past it the attempt fails (502, or the error event after the commit point).",
+    )
+    max_event_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest single server-sent event of a stream; past it the stream fails as above.",
+    )
 
     @model_validator(mode="after")
     def _kind_matches(self) -> Pool:

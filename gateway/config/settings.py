@@ -15,6 +15,22 @@ from typing import Literal
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 ENV_PREFIX = "SPECGATE_"
+# The deepest request body the gateway accepts: orjson reads 1024 levels but writes only about 254, and the gateway
+# re-serialises bodies (the idempotency fingerprint, the usage option, a fallback model).
+MAX_JSON_DEPTH = 250
+_INT_FIELDS = frozenset(
+    {
+        "port",
+        "workers",
+        "max_body_bytes",
+        "admin_port",
+        "max_header_bytes",
+        "max_headers",
+        "max_json_depth",
+        "max_detached",
+        "max_detached_per_client",
+    }
+)
 
 
 class SettingsError(ValueError):
@@ -28,6 +44,11 @@ class Settings:
     port: int = 8080
     workers: int = 1
     max_body_bytes: int = 8 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024  # request line + header lines of one request (gateway/proxy/limits.py)
+    max_headers: int = 100  # header fields of one request
+    max_json_depth: int = 128  # nesting of a request body's arrays and objects
+    max_detached: int = 64  # keyed generations left running after their client went, in total
+    max_detached_per_client: int = 8  # ... per client scope (bearer token)
     api_keys: str = ""
     api_keys_file: Path | None = None
     health_interval_s: float = 5.0
@@ -53,6 +74,14 @@ class Settings:
             raise SettingsError(f"workers must be >= 1, got {self.workers}")
         if self.max_body_bytes < 1024:
             raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise SettingsError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.max_headers < 8:
+            raise SettingsError(f"max_headers must be >= 8, got {self.max_headers}")
+        if not 1 <= self.max_json_depth <= MAX_JSON_DEPTH:
+            raise SettingsError(f"max_json_depth must be 1..{MAX_JSON_DEPTH}, got {self.max_json_depth}")
+        if self.max_detached < 0 or self.max_detached_per_client < 0:
+            raise SettingsError("max_detached and max_detached_per_client must be >= 0")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise SettingsError("health_interval_s and health_timeout_s must be > 0")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -72,7 +101,7 @@ class Settings:
             if f.name == "rules" or raw is None or raw == "":
                 continue
             try:
-                if f.name in ("port", "workers", "max_body_bytes", "admin_port"):
+                if f.name in _INT_FIELDS:
                     kw[f.name] = int(raw)
                 elif f.name in ("health_interval_s", "health_timeout_s"):
                     kw[f.name] = float(raw)

@@ -8,10 +8,13 @@ relay the response as bytes arrive. This module does that and nothing more, and 
 aiohttp for the health checks and scrapes (off the hot path).
 
 Scope: HTTP/1.1 (and 1.0 responses), plain TCP or TLS; responses framed by Content-Length, chunked encoding or the
-connection's close; gzip and deflate bodies decoded (the gateway asks for ``identity``). No redirects, cookies,
-proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps (``gateway.fleet.upstream``):
-``ConnectFailed`` (no connection could be made or had), ``ConnectionBroken`` (the connection broke or the response
-was malformed) and ``TimeoutError`` (the request's total deadline passed).
+connection's close; gzip and deflate bodies decoded (the gateway asks for ``identity``), never past
+``max_body_bytes`` of decoded output. Bounded against a misbehaving pool: a response head larger than
+``MAX_HEAD_BYTES`` fails as soon as that many bytes arrived without its end (not when a header line completes),
+and ``read()`` (a buffered answer) fails past ``max_body_bytes``; ``ResponseTooLarge`` says which.
+No redirects, cookies, proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps
+(``gateway.fleet.upstream``): ``ConnectFailed`` (no connection could be made or had), ``ConnectionBroken``
+(the connection broke or the response was malformed) and ``TimeoutError`` (the request's total deadline passed).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class ConnectionBroken(ConnectionError):
     """The connection broke, or the response could not be parsed, before the response was complete."""
 
 
+class ResponseTooLarge(ConnectionBroken):
+    """The response went past one of the client's limits (head bytes, body or decoded bytes): the connection is
+    closed, and what was read of it is dropped."""
+
+
 def _encode_line(line: str) -> bytes:
     try:
         return line.encode("latin-1")
@@ -60,6 +68,7 @@ class H1Response:
     __slots__ = (
         "_chunks",
         "_conn",
+        "_decoded",
         "_decoder",
         "_ended",
         "_eof",
@@ -83,16 +92,26 @@ class H1Response:
         self._eof = False  # the body is complete
         self._exc: BaseException | None = None
         self._decoder: zlib._Decompress | None = None
+        self._decoded = 0  # bytes the decoder produced so far
         self._ended = False  # released or closed
         self._head: asyncio.Future[None] = conn.loop.create_future()  # the headers arrived, or the request failed
 
     # ---- fed by the connection ----
     def _feed(self, data: bytes) -> None:
         if self._decoder is not None:
+            room = self._conn.pool.max_body_bytes - self._decoded
             try:
-                data = self._decoder.decompress(data)
+                data = self._decoder.decompress(data, room + 1)  # never more output than the limit allows
             except zlib.error as exc:
                 self._fail(ConnectionBroken(f"undecodable {self.headers.get('content-encoding')} body: {exc}"))
+                self._conn.abandon()
+                return
+            self._decoded += len(data)
+            if len(data) > room:
+                self._chunks.clear()
+                self._size = 0
+                limit = self._conn.pool.max_body_bytes
+                self._fail(ResponseTooLarge(f"the pool's compressed response decodes to more than {limit} bytes"))
                 self._conn.abandon()
                 return
         if data:
@@ -155,10 +174,20 @@ class H1Response:
             await self._waiter
 
     async def read(self) -> bytes:
-        """The rest of the body."""
-        if self._eof and self._exc is None:  # the usual non-streaming case: it all came with the headers
+        """The rest of the body; ResponseTooLarge (the connection closed) past the pool's ``max_body_bytes``."""
+        limit = self._conn.pool.max_body_bytes
+        if self._eof and self._exc is None and self._size <= limit:  # the usual case: it all came with the headers
             return self._take() if self._chunks else b""
-        return b"".join([chunk async for chunk in self.iter_any()])
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.iter_any():
+            size += len(chunk)
+            if size > limit:
+                parts.clear()
+                self.close()
+                raise ResponseTooLarge(f"the pool's response body is larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
 
     def release(self) -> None:
         """Done with the response: the connection goes back to the pool if the body was read to its end."""
@@ -204,6 +233,22 @@ class _Conn(asyncio.Protocol):
             self.keep_alive = False
             self.abandon()
             return
+        if not r._head.done():  # the head: counted as the bytes arrive, not only when a header line ends
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if len(data) > room:
+                self._feed(r, data[:room])
+                if not r._head.done() and r._exc is None:
+                    r._fail(ResponseTooLarge(f"response head larger than {MAX_HEAD_BYTES} bytes"))
+                    self.abandon()
+                    return
+                data = data[room:]
+            else:
+                self._head_bytes += len(data)
+        self._feed(r, data)
+
+    def _feed(self, r: H1Response, data: bytes) -> None:
+        if r._exc is not None or not data:
+            return
         try:
             self.parser.feed_data(data)
         except Exception as exc:  # httptools.HttpParserError, or an error raised in a callback below
@@ -233,14 +278,10 @@ class _Conn(asyncio.Protocol):
         if self._messages > 1:
             raise ConnectionBroken("more than one response to one request")
         self._in_head = True
-        self._head_bytes = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
             return  # a chunked body's trailer field: not a header of the response
-        self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise ConnectionBroken(f"response head larger than {MAX_HEAD_BYTES} bytes")
         assert self.response is not None
         self.response.raw_headers.append((name, value))
 
@@ -288,6 +329,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self._messages = 0
+        self._head_bytes = 0  # every byte before the final response's headers end (1xx interim heads included)
         self._framed = True
         self._interim = False
         self.keep_alive = False
@@ -336,7 +378,15 @@ class HostPool:
     """Keep-alive connections to one endpoint (scheme, host, port, base path), at most ``limit`` at a time."""
 
     def __init__(
-        self, url: str, *, limit: int, connect_s: float, acquire_s: float, total_s: float, keepalive_s: float
+        self,
+        url: str,
+        *,
+        limit: int,
+        connect_s: float,
+        acquire_s: float,
+        total_s: float,
+        keepalive_s: float,
+        max_body_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         parts = urlsplit(url)
         self.https = parts.scheme == "https"
@@ -351,6 +401,7 @@ class HostPool:
         self.acquire_s = acquire_s
         self.total_s = total_s
         self.keepalive_s = keepalive_s
+        self.max_body_bytes = max_body_bytes
         self.loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(limit)
         self._idle: list[_Conn] = []

@@ -130,6 +130,7 @@ class PoolClient:
                 acquire_s=t.first_byte_s,  # waiting for a free pooled connection counts against the first byte
                 total_s=t.total_s,
                 keepalive_s=4.0,  # below uvicorn's (vLLM's) 5 s, so we never reuse a connection it is closing
+                max_body_bytes=self.spec.max_response_bytes,
             )
         return host
 

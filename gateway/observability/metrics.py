@@ -155,6 +155,12 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.limit_refusals = Counter(
+            "specgate_limit_refusals_total",
+            "Requests or upstream responses stopped by a size or count limit (docs/limits.md), by limit.",
+            ["limit"],
+            registry=r,
+        )
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
@@ -281,6 +287,10 @@ class GatewayMetrics:
         if child is None:
             child = self._in_flight[pool] = self.in_flight.labels(pool)
         return child
+
+    def limit_refused(self, limit: str) -> None:
+        """Count one refusal by a limit (``limit_refusals``); ``limit`` is one of a fixed set of names."""
+        self.limit_refusals.labels(limit).inc()
 
     def attempt_done(self, pool: str, result: str) -> None:
         """Count one upstream attempt (``upstream_attempts``), its child looked up once per label set."""

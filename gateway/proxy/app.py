@@ -41,6 +41,7 @@ from gateway.proxy.idempotency import (
     store_key,
     tenant_scope,
 )
+from gateway.proxy.limits import check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, cancel_response, for_create, retrieve_response
 from gateway.proxy.tokens import detokenize, tokenize
@@ -178,6 +179,7 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         idempotency_key = parse_key(keys)
         raw = await _read_body(request, rt.settings.max_body_bytes, hdr.get("content-length"))
         body = _parse_object(raw)
+        check_json_depth(raw, body, rt.settings.max_json_depth)
         live = rt.live
         d = decide(live, rt.routing, endpoint, body, hdr.get(TASK_HEADER), rt.rng)
         rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
@@ -237,8 +239,14 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         dialect=ResponsesDialect() if endpoint == "responses" else CHAT,
         pinned=sticky.pinned,
         on_answer=sticky.on_answer,
+        client_addr=_client_addr(request.scope),
     )
     return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+
+
+def _client_addr(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 async def chat_completions(request: Request) -> Response:

@@ -90,6 +90,7 @@ class ProxyJob:
     method: str = "POST"
     # Called with a 200 answer's body (a stream: its first event) before the client sees it (Responses API ids).
     on_answer: Callable[[PoolState, EndpointState, bytes], Awaitable[None]] | None = None
+    client_addr: str | None = None  # the client's IP address, appended to X-Forwarded-For
 
 
 @dataclass(slots=True)
@@ -252,7 +253,9 @@ class ProxyResponse(Response):
                 if last.pool != pool.name:
                     metrics.fallbacks.labels(rec.traffic_class, last.pool, pool.name, last.result).inc()
             client = self.clients[pool.name]
-            headers = upstream_request_headers(job.client_headers, request_id=rec.request_id, api_key=client.api_key)
+            headers = upstream_request_headers(
+                job.client_headers, request_id=rec.request_id, api_key=client.api_key, client_addr=job.client_addr
+            )
             started = time.perf_counter()
             if rec.upstream_start is None:
                 rec.upstream_start = started
@@ -332,7 +335,7 @@ class ProxyResponse(Response):
                 raise StreamStartError(
                     f"a stream was asked for, the pool answered {resp.content_type!r}: {body[:100]!r}"
                 )
-            splitter = SSESplitter()
+            splitter = SSESplitter(pool.spec.max_event_bytes)
             try:
                 async for chunk in resp.chunks():
                     events = splitter.feed(chunk)

@@ -3,6 +3,11 @@
 Hop-by-hop headers, and every header named in ``Connection``, stop at the gateway in both directions.
 The client's ``Authorization`` never reaches a pool: it is replaced by the pool's own key, or dropped.
 ``X-Request-Id`` is kept (or generated) and forwarded, so vLLM logs the same id as the gateway.
+
+Other client headers are forwarded, except this deny-list (``CLIENT_DENIED``): headers that let a client steer
+vLLM itself (``X-data-parallel-rank`` picks the data-parallel rank that serves the request), that claim to be the
+gateway's (``x-specgate-*``), or that speak for the client's address (``Forwarded``, ``X-Real-IP``). The
+client's address is appended to ``X-Forwarded-For`` (after any values the client sent), as proxies do.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ HOP_BY_HOP = frozenset(
 )
 # Set again by the HTTP client or server on each leg, or meaningless across it.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding", "expect"}
-_REQUEST_DROP_ID = _REQUEST_DROP | {"x-request-id"}  # set by the gateway
+# Client headers that must not reach a pool (module docstring); x-specgate-* is dropped by prefix.
+CLIENT_DENIED = frozenset({"x-data-parallel-rank", "forwarded", "x-real-ip"})
+_REQUEST_DROP_ID = _REQUEST_DROP | CLIENT_DENIED | {"x-request-id", "x-forwarded-for"}  # set by the gateway
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "x-request-id"}
 _RESPONSE_DROP_B = frozenset(h.encode() for h in _RESPONSE_DROP)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -44,22 +51,34 @@ def request_id(incoming: str | None) -> str:
 
 
 def upstream_request_headers(
-    client_headers: Iterable[tuple[str, str]], *, request_id: str, api_key: str | None
+    client_headers: Iterable[tuple[str, str]],
+    *,
+    request_id: str,
+    api_key: str | None,
+    client_addr: str | None = None,
 ) -> dict[str, str]:
-    """Headers to send to a pool: client headers minus hop-by-hop and credentials, plus id and pool key."""
+    """Headers to send to a pool: client headers minus hop-by-hop, credentials and the deny-list, plus id, pool key
+    and ``X-Forwarded-For``."""
     out: dict[str, str] = {}
     named: list[str] = []  # the values of Connection headers
+    forwarded: list[str] = []  # the client's X-Forwarded-For values
     for k, v in client_headers:
         lk = k.lower()
-        if lk in _REQUEST_DROP_ID:
+        if lk in _REQUEST_DROP_ID or lk.startswith("x-specgate-"):
             if lk == "connection":
                 named.append(v)
+            elif lk == "x-forwarded-for":
+                forwarded.append(v)
             continue
         out[lk] = v
     for v in named:  # a header named in Connection is dropped too, wherever it stood
         for t in v.split(","):
             if t.strip():
                 out.pop(t.strip().lower(), None)
+    if client_addr:
+        forwarded.append(client_addr)
+    if forwarded:
+        out["x-forwarded-for"] = ", ".join(forwarded)
     out["x-request-id"] = request_id
     out["content-type"] = "application/json"
     out["accept-encoding"] = "identity"

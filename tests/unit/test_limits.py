@@ -1,0 +1,106 @@
+"""Pure limits: JSON depth, the header deny-list and X-Forwarded-For, pool keys with control characters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.config.loader import RulesError, load_rules_text, pool_key_issues
+from gateway.config.schema import RoutingRules
+from gateway.errors import InvalidJSON
+from gateway.proxy.headers import upstream_request_headers
+from gateway.proxy.limits import check_json_depth
+
+
+def nested(levels: int, kind: str = "list") -> Any:
+    """A body whose arrays / objects nest ``levels`` deep, the top object included."""
+    value: Any = 1
+    for _ in range(levels - 1):
+        value = [value] if kind == "list" else {"a": value}
+    return {"model": "m", "x": value}
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_json_depth_at_the_limit_passes_and_one_more_is_invalid_json(kind: str) -> None:
+    ok = nested(128, kind)
+    check_json_depth(orjson.dumps(ok), ok, 128)
+    deep = nested(129, kind)
+    with pytest.raises(InvalidJSON, match="deeper than 128"):
+        check_json_depth(orjson.dumps(deep), deep, 128)
+
+
+def test_brackets_inside_strings_do_not_make_a_flat_body_too_deep() -> None:
+    body = {"messages": [{"role": "user", "content": "[" * 10_000 + "{" * 10_000}]}
+    check_json_depth(orjson.dumps(body), body, 8)
+
+
+def test_the_deepest_accepted_body_can_be_reserialised() -> None:
+    from gateway.config.settings import MAX_JSON_DEPTH
+
+    body = nested(MAX_JSON_DEPTH)
+    check_json_depth(orjson.dumps(body), body, MAX_JSON_DEPTH)
+    orjson.dumps({"wrapped": body}, option=orjson.OPT_SORT_KEYS)  # what the fingerprint and the usage option do
+
+
+def test_client_headers_that_steer_vllm_or_speak_for_the_gateway_are_dropped() -> None:
+    client = [
+        ("X-data-parallel-rank", "3"),
+        ("X-Specgate-Pool", "forged"),
+        ("Forwarded", "for=1.2.3.4"),
+        ("X-Real-IP", "1.2.3.4"),
+        ("X-Sim-Task", "code"),
+        ("traceparent", "00-abc-def-01"),
+    ]
+    out = upstream_request_headers(client, request_id="r", api_key=None, client_addr="10.0.0.9")
+    assert "x-data-parallel-rank" not in out
+    assert "x-specgate-pool" not in out
+    assert "forwarded" not in out
+    assert "x-real-ip" not in out
+    assert out["x-sim-task"] == "code"
+    assert out["traceparent"] == "00-abc-def-01"
+    assert out["x-forwarded-for"] == "10.0.0.9"
+
+
+def test_x_forwarded_for_is_appended_to_what_the_client_sent() -> None:
+    client = [("X-Forwarded-For", "1.1.1.1"), ("x-forwarded-for", "2.2.2.2, 3.3.3.3")]
+    out = upstream_request_headers(client, request_id="r", api_key=None, client_addr="10.0.0.9")
+    assert out["x-forwarded-for"] == "1.1.1.1, 2.2.2.2, 3.3.3.3, 10.0.0.9"
+    assert "x-forwarded-for" not in upstream_request_headers([], request_id="r", api_key=None)
+
+
+RULES = """\
+version: 1
+pools:
+  - name: spec
+    kind: speculative
+    speculative: {method: eagle3, num_speculative_tokens: 4}
+    models: [m]
+    api_key_env: SPEC_KEY
+    endpoints: [{url: "http://a:8000"}]
+classes:
+  - name: default
+    route: {preferred: spec}
+"""
+
+
+@pytest.mark.parametrize("bad", ["abc\r\nx-injected: 1", "abc\ndef", "a\x01b", "key\x7f"])
+def test_a_pool_key_with_a_control_character_is_refused_at_load_with_its_yaml_path(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPEC_KEY", bad)
+    with pytest.raises(RulesError) as info:
+        load_rules_text(RULES)
+    text = str(info.value)
+    assert "pools[0].api_key_env" in text
+    assert "control character" in text
+    assert bad not in text  # the secret itself is never printed
+
+
+def test_a_pool_key_with_a_trailing_newline_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPEC_KEY", "secret-key\n")
+    load_rules_text(RULES)
+    rules = RoutingRules.model_validate(__import__("yaml").safe_load(RULES))
+    assert pool_key_issues(rules, {"SPEC_KEY": " ok \n"}) == []
+    assert pool_key_issues(rules, {}) == []
