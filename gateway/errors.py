@@ -22,6 +22,7 @@
     └── UpstreamError                 502 upstream_error (an attempt failed before the commit point)
         ├── UpstreamConnectError      502 (the connection broke; retryable)
         │   └── UpstreamUnreachable   502 (connect refused / connect timeout; the endpoint leaves rotation)
+        ├── UpstreamResponseTooLarge  502 (the response went past a limit; not retried)
         └── UpstreamTimeout           504 (no first byte in time; retryable)
 
 Errors from the upstream that carry their own status (vLLM's 400 for a prompt too long, say) are not raised:
@@ -160,6 +161,17 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamUnreachable(UpstreamConnectError):
     default_code = "upstream_unreachable"
+
+
+class UpstreamResponseTooLarge(UpstreamError):
+    """The pool's response went past one of the gateway's limits (head, body, decoded body, one SSE event): not
+    retried on another pool (the same request would most likely get as large an answer, generated again)."""
+
+    default_code = "upstream_response_too_large"
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit  # the limit's name in specgate_limit_refusals_total
 
 
 class UpstreamTimeout(UpstreamError):

@@ -46,8 +46,12 @@ class ConnectionBroken(ConnectionError):
 
 
 class ResponseTooLarge(ConnectionBroken):
-    """The response went past one of the client's limits (head bytes, body or decoded bytes): the connection is
-    closed, and what was read of it is dropped."""
+    """The response went past one of the client's limits: the connection is closed, what was read of it dropped.
+    ``limit``: ``response_head``, ``response_bytes`` or ``decoded_bytes``."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 def _encode_line(line: str) -> bytes:
@@ -98,6 +102,8 @@ class H1Response:
 
     # ---- fed by the connection ----
     def _feed(self, data: bytes) -> None:
+        if self._exc is not None:  # failed (the rest of the read may still be parsed): drop it
+            return
         if self._decoder is not None:
             room = self._conn.pool.max_body_bytes - self._decoded
             try:
@@ -111,7 +117,8 @@ class H1Response:
                 self._chunks.clear()
                 self._size = 0
                 limit = self._conn.pool.max_body_bytes
-                self._fail(ResponseTooLarge(f"the pool's compressed response decodes to more than {limit} bytes"))
+                message = f"the pool's compressed response decodes to more than {limit} bytes"
+                self._fail(ResponseTooLarge(message, "decoded_bytes"))
                 self._conn.abandon()
                 return
         if data:
@@ -122,8 +129,10 @@ class H1Response:
             self._wake()
 
     def _end(self) -> None:
+        if self._exc is not None:  # never flush a decoder that failed: flush() inflates all of its unread input
+            return
         if self._decoder is not None:
-            tail = self._decoder.flush()
+            tail = self._decoder.flush()  # the input was all consumed (``_feed``): only zlib's small pending output
             if tail:
                 self._chunks.append(tail)
                 self._size += len(tail)
@@ -185,7 +194,7 @@ class H1Response:
             if size > limit:
                 parts.clear()
                 self.close()
-                raise ResponseTooLarge(f"the pool's response body is larger than {limit} bytes")
+                raise ResponseTooLarge(f"the pool's response body is larger than {limit} bytes", "response_bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -238,7 +247,11 @@ class _Conn(asyncio.Protocol):
             if len(data) > room:
                 self._feed(r, data[:room])
                 if not r._head.done() and r._exc is None:
-                    r._fail(ResponseTooLarge(f"response head larger than {MAX_HEAD_BYTES} bytes"))
+                    r._fail(
+                        ResponseTooLarge(
+                            f"the pool's response head is larger than {MAX_HEAD_BYTES} bytes", "response_head"
+                        )
+                    )
                     self.abandon()
                     return
                 data = data[room:]

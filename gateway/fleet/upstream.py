@@ -19,8 +19,8 @@ from typing import Protocol
 import aiohttp
 
 from gateway.config.schema import Pool as PoolSpec
-from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
-from gateway.fleet.h1client import ConnectFailed, HostPool
+from gateway.errors import UpstreamConnectError, UpstreamResponseTooLarge, UpstreamTimeout, UpstreamUnreachable
+from gateway.fleet.h1client import ConnectFailed, HostPool, ResponseTooLarge
 from gateway.fleet.pools import EndpointState
 
 
@@ -58,6 +58,8 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         try:
             return await self.raw.read()
+        except ResponseTooLarge as exc:
+            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while reading the body") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -68,6 +70,8 @@ class UpstreamResponse:
         try:
             async for chunk in self.raw.iter_any():
                 yield chunk
+        except ResponseTooLarge as exc:
+            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -143,6 +147,8 @@ class PoolClient:
             raw = await self._host(ep.url).request(path, body, headers, method=method)
         except ConnectFailed as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
+        except ResponseTooLarge as exc:
+            raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit=exc.limit) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no response from {ep.id} within the total timeout") from exc
         except OSError as exc:

@@ -32,7 +32,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import Defaults
-from gateway.errors import GatewayError, NoCapacity, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from gateway.errors import (
+    GatewayError,
+    NoCapacity,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponseTooLarge,
+    UpstreamTimeout,
+)
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import PoolClient, UpstreamResponse
 from gateway.observability.logs import AccessLog
@@ -271,6 +278,9 @@ class ProxyResponse(Response):
                 metrics.attempt_done(pool.name, result)
                 failures.append(AttemptFailure(pool.name, ep.id, exc, result))
                 self.policy.failed(ep, exc, self.pools.values())
+                if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
+                    metrics.limit_refused(exc.limit)
+                    raise
                 continue
             finally:
                 if opened is None:
@@ -347,7 +357,7 @@ class ProxyResponse(Response):
                     tap = StreamTap(strip) if pool.spec.kind == "speculative" and job.dialect.asks_usage else None
                     return _Opened(pool, ep, resp, events, splitter, None, tap, model)
             except SSEOverflow as exc:
-                raise StreamStartError(str(exc)) from exc
+                raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit="event_bytes") from exc
             except (UpstreamConnectError, UpstreamTimeout) as exc:
                 if isinstance(exc, StreamStartError):
                     raise
@@ -466,8 +476,11 @@ class ProxyResponse(Response):
                         break
         except UpstreamError as exc:
             rec.error = exc.message
+            if isinstance(exc, UpstreamResponseTooLarge):
+                self.metrics.limit_refused(exc.limit)
         except SSEOverflow as exc:
             rec.error = str(exc)
+            self.metrics.limit_refused("event_bytes")
         if not done:
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"

@@ -104,3 +104,40 @@ def test_a_pool_key_with_a_trailing_newline_is_fine(monkeypatch: pytest.MonkeyPa
     rules = RoutingRules.model_validate(__import__("yaml").safe_load(RULES))
     assert pool_key_issues(rules, {"SPEC_KEY": " ok \n"}) == []
     assert pool_key_issues(rules, {}) == []
+
+
+def test_h1client_decoder_never_outputs_past_the_cap() -> None:
+    """The decoded-size cap on its own (the integration tests may hit the body or event cap first)."""
+    import asyncio
+    import gzip
+
+    from gateway.fleet.h1client import H1Response, ResponseTooLarge
+
+    class Pool:
+        max_body_bytes = 1 << 20
+
+    class Conn:
+        def __init__(self) -> None:
+            self.pool = Pool()
+            self.loop = asyncio.new_event_loop()
+            self.abandoned = False
+
+        def abandon(self) -> None:
+            self.abandoned = True
+
+        def pause(self) -> None: ...
+
+    conn = Conn()
+    try:
+        r = H1Response(conn)  # type: ignore[arg-type]
+        r.headers["content-encoding"] = "gzip"
+        import zlib
+
+        r._decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        r._feed(gzip.compress(b"a" * (50 << 20)))
+        assert isinstance(r._exc, ResponseTooLarge)
+        assert r._exc.limit == "decoded_bytes"
+        assert r._size == 0
+        assert conn.abandoned
+    finally:
+        conn.loop.close()
