@@ -26,7 +26,6 @@ from tests.integration.test_review_findings import (
     RawRequest,
     RawUpstream,
     http_chunk,
-    raw,  # noqa: F401  (the fixture)
     sse_chunk,
 )
 
@@ -47,6 +46,21 @@ def capped(url: str, **pool: Any) -> dict[str, Any]:
     for p in rules["pools"]:
         p.update({"max_response_bytes": CAP, "max_event_bytes": EVENT_CAP, **pool})
     return rules
+
+
+@pytest.fixture
+def hostile() -> Iterator[Raw]:
+    """Start a hand-written upstream (``RawUpstream``) with a handler; all are stopped after the test."""
+    started: list[RawUpstream] = []
+
+    def start(handler: Any) -> RawUpstream:
+        server = RawUpstream(handler)
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture
@@ -108,8 +122,10 @@ async def endless_event_after_one(req: RawRequest, reader: Reader, writer: Write
     return False
 
 
-def test_an_endless_upstream_header_fails_the_attempt_at_the_head_cap(raw: Raw, gateway: Gateway, traced: Any) -> None:
-    up = raw(endless_header)
+def test_an_endless_upstream_header_fails_the_attempt_at_the_head_cap(
+    hostile: Raw, gateway: Gateway, traced: Any
+) -> None:
+    up = hostile(endless_header)
     gw = gateway(capped(up.url))
     r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert r.status_code == 502, r.text
@@ -122,8 +138,8 @@ def test_an_endless_upstream_header_fails_the_attempt_at_the_head_cap(raw: Raw, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_gzip_bomb_is_cut_at_the_decoded_cap(raw: Raw, gateway: Gateway, traced: Any, stream: bool) -> None:
-    up = raw(gzip_bomb)
+def test_a_gzip_bomb_is_cut_at_the_decoded_cap(hostile: Raw, gateway: Gateway, traced: Any, stream: bool) -> None:
+    up = hostile(gzip_bomb)
     gw = gateway(capped(up.url))
     r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
     assert r.status_code == 502, r.text[:300]
@@ -135,8 +151,8 @@ def test_a_gzip_bomb_is_cut_at_the_decoded_cap(raw: Raw, gateway: Gateway, trace
     assert traced() < 3 * CAP  # 40 MiB inflated whole before; now at most the cap (+ what the test reads)
 
 
-def test_a_non_streaming_body_past_max_response_bytes_is_502(raw: Raw, gateway: Gateway, traced: Any) -> None:
-    up = raw(huge_body)
+def test_a_non_streaming_body_past_max_response_bytes_is_502(hostile: Raw, gateway: Gateway, traced: Any) -> None:
+    up = hostile(huge_body)
     gw = gateway(capped(up.url))
     r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert r.status_code == 502, r.text[:300]
@@ -146,9 +162,9 @@ def test_a_non_streaming_body_past_max_response_bytes_is_502(raw: Raw, gateway: 
 
 
 def test_one_sse_event_past_max_event_bytes_ends_the_stream_with_an_error_event(
-    raw: Raw, gateway: Gateway, traced: Any
+    hostile: Raw, gateway: Gateway, traced: Any
 ) -> None:
-    up = raw(endless_event_after_one)
+    up = hostile(endless_event_after_one)
     gw = gateway(capped(up.url))
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
