@@ -78,6 +78,13 @@ def serve(
         int,
         typer.Option(envvar="SPECGATE_MAX_DETACHED_PER_CLIENT", help="The same, per client (bearer token)."),
     ] = 8,
+    idempotency_memory_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_IDEMPOTENCY_MEMORY_BYTES",
+            help="Stored responses of the in-memory Idempotency-Key store, together; the oldest go first.",
+        ),
+    ] = 256 * 1024 * 1024,
     api_keys: Annotated[
         str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
     ] = "",
@@ -129,6 +136,7 @@ def serve(
             max_json_depth=max_json_depth,
             max_detached=max_detached,
             max_detached_per_client=max_detached_per_client,
+            idempotency_memory_bytes=idempotency_memory_bytes,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
             health_interval_s=health_interval_s,

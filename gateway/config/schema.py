@@ -286,6 +286,13 @@ class Idempotency(_Strict):
     store_unavailable: Literal["refuse", "proceed"] = Field(
         "refuse", description="Keyed requests while the store is unreachable: 503 (refuse), or run without a key."
     )
+    max_response_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest response stored for replay; a larger one leaves the key used, and its replays get 410 "
+        "idempotency_response_not_stored (never a second generation).",
+    )
 
 
 class Admin(_Strict):

@@ -29,6 +29,7 @@ _INT_FIELDS = frozenset(
         "max_json_depth",
         "max_detached",
         "max_detached_per_client",
+        "idempotency_memory_bytes",
     }
 )
 
@@ -49,6 +50,7 @@ class Settings:
     max_json_depth: int = 128  # nesting of a request body's arrays and objects
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
+    idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
     api_keys: str = ""
     api_keys_file: Path | None = None
     health_interval_s: float = 5.0
@@ -80,6 +82,8 @@ class Settings:
             raise SettingsError(f"max_headers must be >= 8, got {self.max_headers}")
         if not 1 <= self.max_json_depth <= MAX_JSON_DEPTH:
             raise SettingsError(f"max_json_depth must be 1..{MAX_JSON_DEPTH}, got {self.max_json_depth}")
+        if self.idempotency_memory_bytes < 64 * 1024 * 1024:  # the largest per-record cap the YAML allows
+            raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
         if self.max_detached < 0 or self.max_detached_per_client < 0:
             raise SettingsError("max_detached and max_detached_per_client must be >= 0")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:

@@ -199,12 +199,13 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
             raise BadRequest(
                 f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
             )
+        tenant = tenant_scope(hdr.get("authorization")) if idempotency_key is not None else b"anonymous"
         if idempotency_key is not None:  # before the capacity check: a replay needs no pool
             got = await begin(
                 rt.store,
                 live.rules.idempotency,
                 rt.metrics,
-                key=store_key(tenant_scope(hdr.get("authorization")), idempotency_key),
+                key=store_key(tenant, idempotency_key),
                 fingerprint=fingerprint(request.method, path, body),
                 record=rec,
             )
@@ -240,6 +241,8 @@ async def _proxy(request: Request, endpoint: Endpoint | None, path: str) -> Resp
         pinned=sticky.pinned,
         on_answer=sticky.on_answer,
         client_addr=_client_addr(request.scope),
+        detached=rt.detached,
+        tenant=tenant,
     )
     return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
 

@@ -72,6 +72,7 @@ from gateway.routing.attempts import (
     status_result,
 )
 from gateway.routing.plan import Plan
+from gateway.runtime.detached import DetachedBudget
 
 logger = logging.getLogger("specgate.forward")
 
@@ -98,6 +99,8 @@ class ProxyJob:
     # Called with a 200 answer's body (a stream: its first event) before the client sees it (Responses API ids).
     on_answer: Callable[[PoolState, EndpointState, bytes], Awaitable[None]] | None = None
     client_addr: str | None = None  # the client's IP address, appended to X-Forwarded-For
+    detached: DetachedBudget | None = None  # keyed: may it run on after its client left (None: always)
+    tenant: bytes = b"anonymous"  # the client's scope in ``detached``
 
 
 @dataclass(slots=True)
@@ -146,6 +149,8 @@ class ProxyResponse(Response):
         self._usage_body: bytes | None = None  # the body with stream_options.include_usage, once built
         self._usage_body_built = False
         self._watcher: asyncio.Task[None] | None = None
+        self._detached = False  # a keyed request running on without its client, counted in job.detached
+        self._cut = False  # a keyed request cancelled for its client: the detached budget was spent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; a small watcher cancels it when the client goes away.
@@ -162,7 +167,7 @@ class ProxyResponse(Response):
         try:
             await self._run(send)
         except asyncio.CancelledError:
-            if not self._client_gone or claim is not None:  # a keyed request is never cancelled for its client
+            if not self._client_gone or (claim is not None and not self._cut):  # keyed: cut only past the budget
                 raise
             task.uncancel()
         except Exception:
@@ -183,6 +188,9 @@ class ProxyResponse(Response):
             start.cancel()
             if self._watcher is not None:
                 self._watcher.cancel()
+            if self._detached and self.job.detached is not None:
+                self._detached = False
+                self.job.detached.release(self.job.tenant)
             stored = None
             try:
                 if self._tap is not None and self._tap.sample is not None:
@@ -208,8 +216,17 @@ class ProxyResponse(Response):
                 self.outcome = "client_disconnect"
                 if self.job.idempotency is None:
                     task.cancel()
+                    return
                 # A keyed request runs on to its end (bounded by the pool's total_s): its response is stored, and
-                # the client's retry with the same key gets the whole answer instead of a second generation.
+                # the client's retry with the same key gets the whole answer instead of a second generation; as
+                # many as the detached budget allows (per client and in total), the others are cancelled.
+                budget = self.job.detached
+                if budget is None or budget.acquire(self.job.tenant):
+                    self._detached = budget is not None
+                else:
+                    self._cut = True
+                    self.metrics.limit_refused("detached")
+                    task.cancel()
                 return
 
     # --- the attempt loop -------------------------------------------------------------------------------

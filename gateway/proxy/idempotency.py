@@ -28,8 +28,12 @@ with other whitespace or key order is the same request; any changed value is ano
 
 **What is stored.** Only a response that was generated for the client: a 2xx, an upstream 4xx relayed, or a
 stream that started, even one that broke after the commit point (replayed as it was sent, error event and all:
-generating again could give a second, different answer). A gateway error before the commit point (503 no
-capacity, every attempt failed, an upstream 5xx) releases the key, so the client's retry runs.
+generating again could give a second, different answer). A response larger than the YAML's
+``idempotency.max_response_bytes`` is not kept (the recording stops there, so memory stays bounded while it runs):
+the key stays *used* with a small marker, and its replays get 410 ``idempotency_response_not_stored``, never a
+second generation. The key being spent matters more than the bytes: a retry that generated again could act twice.
+A gateway error before the commit point (503 no capacity, every attempt failed, an upstream 5xx) releases the key,
+so the client's retry runs.
 """
 
 from __future__ import annotations
@@ -84,12 +88,14 @@ Result = Literal[
     "conflict",  # 409: the first request still runs
     "mismatch",  # 422: the key was used with another request
     "store_unavailable",  # the store could not be reached (503, or ran without a key)
+    "too_large",  # the response was larger than max_response_bytes: a marker stored, replays get 410
 ]
 
 _BARE_KEY = re.compile(r"[!#-\[\]-~]{1,255}")  # visible ASCII except '"' and '\'
 _SF_STRING_BODY = re.compile(r'(?:[ !#-\[\]-~]|\\["\\])*')
 _SF_ESCAPE = re.compile(r'\\(["\\])')
 _MAGIC = b"SGI1"
+NOT_STORED_CODE = "idempotency_response_not_stored"
 
 
 def _invalid(message: str) -> BadRequest:
@@ -176,14 +182,31 @@ class StoredResponse:
         return response
 
 
+def not_stored(size: int, limit: int, headers: tuple[tuple[bytes, bytes], ...]) -> StoredResponse:
+    """What a key whose response was too large to keep replays: 410, saying so (the key stays used)."""
+    message = (
+        f"the response to this Idempotency-Key was larger than the {limit} bytes the gateway keeps for replay "
+        f"(at least {size} bytes); it was sent once and is not generated again: use a new key for a new request"
+    )
+    body = orjson.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": NOT_STORED_CODE}}
+    )
+    kept = tuple((k, v) for k, v in headers if k != b"content-type")
+    return StoredResponse(410, ((b"content-type", b"application/json"), *kept), body)
+
+
 @dataclass(slots=True)
 class Recorder:
-    """What was sent to the client: the ``http.response.*`` messages of one ASGI response."""
+    """What was sent to the client: the ``http.response.*`` messages of one ASGI response, up to ``limit`` body
+    bytes (past it the chunks are dropped and only the size is kept)."""
 
+    limit: int = 4 * 1024 * 1024
     status: int | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     chunks: list[bytes] = field(default_factory=list)
     ended: bool = False
+    size: int = 0
+    overflow: bool = False
 
     def record(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -192,14 +215,22 @@ class Recorder:
         elif message["type"] == "http.response.body":
             body = message.get("body", b"")
             if body:
-                self.chunks.append(bytes(body))
+                self.size += len(body)
+                if self.size > self.limit:
+                    self.overflow = True
+                    self.chunks.clear()
+                elif not self.overflow:
+                    self.chunks.append(bytes(body))
             if not message.get("more_body", False):
                 self.ended = True
 
     def response(self) -> StoredResponse | None:
-        """The response to store; None when none started, or a non-stream one did not end."""
+        """The response to store; None when none started, or a non-stream one did not end; the 410 marker
+        (``not_stored``) when it was too large to keep."""
         if self.status is None:
             return None
+        if self.overflow:
+            return not_stored(self.size, self.limit, tuple((k, v) for k, v in self.headers if k in STORED_HEADERS))
         body = b"".join(self.chunks)
         ctype = next((v for k, v in self.headers if k == b"content-type"), b"")
         if not self.ended:
@@ -232,7 +263,7 @@ class KeyClaim:
         self.ttl_ms = max(1, int(cfg.ttl_s * 1000))
         self.metrics = metrics
         self.request_id = request_id
-        self.recorder = Recorder()
+        self.recorder = Recorder(limit=cfg.max_response_bytes)
         self.generated = False  # set by the relay once the response is one the client may act on (module doc)
         self._renewal: asyncio.Task[None] | None = None
         self._settled = False
@@ -271,7 +302,9 @@ class KeyClaim:
     def outcome(self) -> tuple[Result, StoredResponse | None]:
         """What ``settle`` will do: store the recorded response when one was generated, else release the key."""
         stored = self.recorder.response() if self.generated else None
-        return ("stored", stored) if stored is not None else ("released", None)
+        if stored is None:
+            return "released", None
+        return ("too_large" if self.recorder.overflow else "stored"), stored
 
     async def settle(self, stored: StoredResponse | None) -> None:
         """Complete the claim with ``stored`` (None: release it). Bounded in time; never raises but cancellation."""
@@ -280,7 +313,7 @@ class KeyClaim:
         self._settled = True
         if self._renewal is not None:
             self._renewal.cancel()
-        result: Result = "released" if stored is None else "stored"
+        result: Result = "released" if stored is None else "too_large" if self.recorder.overflow else "stored"
         blob = None if stored is None else stored.encode()
         # A generated response must not be lost to a store blip: once the lease ran out, a repeat would generate a
         # second, different answer. So completing is retried with backoff for up to SETTLE_RETRY_S, the lease

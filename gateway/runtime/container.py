@@ -32,6 +32,7 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
 from gateway.routing.route_state import RoutingState
+from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult
 from gateway.store.base import Store, StoreUnavailable
@@ -48,6 +49,8 @@ class Runtime:
         self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
         self.started_at = int(time.time())
+        # Keyed generations left running after their client went away (gateway.runtime.detached).
+        self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
@@ -74,7 +77,9 @@ class Runtime:
         )
         # Idempotency records: Redis when configured, else memory. ``store`` is the health-tracking wrapper, so a
         # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
-        self.store_health = StoreHealth(build_store(settings.redis_url), self.metrics.registry)
+        self.store_health = StoreHealth(
+            build_store(settings.redis_url, memory_bytes=settings.idempotency_memory_bytes), self.metrics.registry
+        )
         self.store: Store = self.store_health
         # On-call overrides and the audit log, in the same store (Redis: shared by every replica;
         # gateway.overrides.manager).

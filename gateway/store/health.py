@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.periodic import run_every
 from gateway.store.base import ClaimResult, Completed, Running, Store, StoreUnavailable
-from gateway.store.memory import MemoryStore
+from gateway.store.memory import DEFAULT_MAX_BYTES, MemoryStore
 from gateway.store.redis import DEFAULT_PREFIX, RedisStore, redact_url
 
 logger = logging.getLogger("specgate.store")
@@ -30,14 +30,20 @@ logger = logging.getLogger("specgate.store")
 T = TypeVar("T")
 
 
-def build_store(redis_url: str | None, *, prefix: str = DEFAULT_PREFIX, socket_timeout_s: float = 0.5) -> Store:
+def build_store(
+    redis_url: str | None,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    socket_timeout_s: float = 0.5,
+    memory_bytes: int = DEFAULT_MAX_BYTES,
+) -> Store:
     """``RedisStore`` when a URL is configured (shared by the replicas), else ``MemoryStore`` (this process only).
 
     Nothing connects here: an unreachable Redis at start-up leaves the gateway serving, with the store reported
     degraded until it answers.
     """
     if not redis_url:
-        return MemoryStore()
+        return MemoryStore(max_bytes=memory_bytes)
     logger.info("idempotency store: redis at %s", redact_url(redis_url))
     return RedisStore.from_url(redis_url, socket_timeout_s=socket_timeout_s, prefix=prefix)
 

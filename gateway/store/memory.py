@@ -13,7 +13,10 @@ Memory stays bounded without a background task:
   its front and, above ``max_records``, the oldest;
 - above ``max_records`` the oldest completed records are dropped first (a dropped completion only costs a replay:
   the client's retry runs again). Running claims are never dropped to make room, since that could let a duplicate
-  run; with the store full of running claims a new claim raises ``StoreUnavailable`` (the caller fails closed).
+  run; with the store full of running claims a new claim raises ``StoreUnavailable`` (the caller fails closed);
+- the stored responses together stay within ``max_bytes``: completing a record drops the oldest completed ones
+  until the new one fits. One response larger than ``max_bytes`` is never kept: ``complete`` raises
+  ``StoreUnavailable`` (the caller keeps its own, smaller per-record cap well below, ``gateway.proxy.idempotency``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
 
 DEFAULT_MAX_RECORDS = 100_000
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -47,10 +51,20 @@ class MemoryStore:
 
     name = "memory"
 
-    def __init__(self, *, max_records: int = DEFAULT_MAX_RECORDS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self._max = max_records
+        self._max_bytes = max_bytes
+        self._bytes = 0  # the stored responses' sizes, together
         self._clock = clock
         # Insertion order = order of the last write that created or completed the record (complete moves it to
         # the end), so the first completed record found walking the dict is the oldest completion.
@@ -62,14 +76,24 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes of the completed responses held now."""
+        return self._bytes
+
     # -- internals (all synchronous: the atomicity of every public method relies on it) -----------------------
 
     def _live(self, key: str, now: float) -> _Record | None:
         rec = self._records.get(key)
         if rec is not None and rec.expires_at <= now:
-            del self._records[key]
+            self._drop(key)
             return None
         return rec
+
+    def _drop(self, key: str) -> None:
+        rec = self._records.pop(key)
+        if rec.response is not None:
+            self._bytes -= len(rec.response)
 
     def _set_expiry(self, key: str, rec: _Record, expires_at: float) -> None:
         rec.expires_at = expires_at
@@ -81,7 +105,7 @@ class MemoryStore:
             _, key = heapq.heappop(heap)
             rec = self._records.get(key)
             if rec is not None and rec.expires_at <= now:
-                del self._records[key]
+                self._drop(key)
         # Stale entries of long-lived records can pile up only as far as the number of writes; rebuild the heap
         # when they clearly dominate, so it stays proportional to the live records.
         if len(heap) > 4 * len(self._records) + 1024:
@@ -96,11 +120,27 @@ class MemoryStore:
         excess = len(self._records) - self._max + 1 + self._max // 100
         victims = list(itertools.islice((k for k, r in self._records.items() if r.done), excess))
         for k in victims:
-            del self._records[k]
+            self._drop(k)
         if len(self._records) >= self._max:
             raise StoreUnavailable(f"memory store full: {len(self._records)} running claims (max_records={self._max})")
 
     # -- the Store protocol -------------------------------------------------------------------------------------
+
+    def _make_bytes(self, size: int, now: float) -> None:
+        """Drop the oldest completed records until ``size`` more bytes fit in ``max_bytes``."""
+        if self._bytes + size <= self._max_bytes:
+            return
+        self._prune(now)
+        victims: list[str] = []
+        freed = 0
+        for k, r in self._records.items():
+            if self._bytes - freed + size <= self._max_bytes:
+                break
+            if r.response is not None:
+                victims.append(k)
+                freed += len(r.response)
+        for k in victims:
+            self._drop(k)
 
     async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
         now = self._clock()
@@ -132,7 +172,11 @@ class MemoryStore:
             return False
         if rec.done:  # the owner completing again (a retried call): a no-op, like RedisStore
             return True
+        if len(response) > self._max_bytes:
+            raise StoreUnavailable(f"a response of {len(response)} bytes exceeds the store's {self._max_bytes} bytes")
+        self._make_bytes(len(response), now)
         rec.response = bytes(response)
+        self._bytes += len(response)
         del self._records[key]  # re-insert at the end: completion order drives eviction
         self._records[key] = rec
         self._set_expiry(key, rec, now + ttl_ms / 1000)
@@ -144,7 +188,7 @@ class MemoryStore:
         rec = self._live(key, now)
         if rec is None or rec.token != token or rec.done:
             return False
-        del self._records[key]
+        self._drop(key)
         self._prune(now)
         return True
 
@@ -181,5 +225,6 @@ class MemoryStore:
 
     async def close(self) -> None:
         self._records.clear()
+        self._bytes = 0
         self._expiries.clear()
         self._values.clear()

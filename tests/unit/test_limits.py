@@ -141,3 +141,58 @@ def test_h1client_decoder_never_outputs_past_the_cap() -> None:
         assert conn.abandoned
     finally:
         conn.loop.close()
+
+
+async def test_memory_store_keeps_its_stored_bytes_within_the_budget_oldest_completed_first() -> None:
+    from gateway.store.base import Claimed, Completed
+    from gateway.store.memory import MemoryStore
+
+    store = MemoryStore(max_bytes=1000)
+    tokens = {}
+    for key in ("a", "b", "c", "running"):
+        got = await store.claim(key, "fp", lease_ms=60_000)
+        assert isinstance(got, Claimed)
+        tokens[key] = got.token
+    for key in ("a", "b", "c"):
+        assert await store.complete(key, tokens[key], b"x" * 400, ttl_ms=60_000)
+        assert store.stored_bytes <= 1000
+    assert await store.get("a") is None  # the oldest completion made room for c
+    assert isinstance(await store.get("b"), Completed)
+    assert isinstance(await store.get("c"), Completed)
+    assert store.stored_bytes == 800
+    assert await store.get("running") is not None  # a running claim is never dropped for bytes
+    with pytest.raises(Exception, match="exceeds the store's 1000 bytes"):
+        await store.complete("running", tokens["running"], b"y" * 1001, ttl_ms=60_000)
+
+
+def test_the_recorder_stops_keeping_bytes_past_its_limit_and_stores_the_410_marker() -> None:
+    from gateway.proxy.idempotency import NOT_STORED_CODE, Recorder
+
+    rec = Recorder(limit=100)
+    rec.record({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"r1")]})
+    for _ in range(10):
+        rec.record({"type": "http.response.body", "body": b"z" * 50, "more_body": True})
+        assert sum(len(c) for c in rec.chunks) <= 100
+    rec.record({"type": "http.response.body", "body": b"", "more_body": False})
+    stored = rec.response()
+    assert stored is not None
+    assert stored.status == 410
+    assert orjson.loads(stored.body)["error"]["code"] == NOT_STORED_CODE
+    assert (b"x-request-id", b"r1") in stored.headers
+
+
+def test_detached_budget_counts_per_scope_and_in_total() -> None:
+    from gateway.runtime.detached import DetachedBudget
+
+    b = DetachedBudget(total=3, per_scope=2)
+    assert b.acquire(b"a")
+    assert b.acquire(b"a")
+    assert not b.acquire(b"a")
+    assert b.acquire(b"b")
+    assert not b.acquire(b"c")  # the total
+    b.release(b"a")
+    assert b.acquire(b"c")
+    assert b.running == 3
+    assert b.running_for(b"a") == 1
+    with pytest.raises(RuntimeError):
+        b.release(b"zzz")
