@@ -74,7 +74,7 @@ def flood(host: str, port: int, data: bytes, clients: int, seconds: float) -> Co
             try:
                 statuses[send_raw(host, port, data)] += 1
             except OSError:
-                statuses[0] += 1
+                statuses[0] += 1  # refused, or reset before an answer
 
     threads = [threading.Thread(target=attack, daemon=True) for _ in range(clients)]
     for t in threads:
@@ -176,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("--url", required=True)
     b.add_argument("--pid", type=int, required=True)
     b.add_argument("--stream", action="store_true")
+    b.add_argument("--model", default="meta-llama/Llama-3.3-70B-Instruct")
     a = parser.parse_args(argv)
     if a.cmd == "flood":
         result: dict[str, object] = {}
@@ -200,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             asyncio.run(serve_hostile(a.port, a.mode, a.size))
     else:
         before = peak_rss_kib(a.pid)
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": a.stream}
+        body = {"model": a.model, "messages": [{"role": "user", "content": "hi"}], "stream": a.stream}
         t0 = time.perf_counter()
         r = httpx.post(a.url + "/v1/chat/completions", json=body, timeout=120)
         took = time.perf_counter() - t0

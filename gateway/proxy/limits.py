@@ -39,8 +39,9 @@ logger = logging.getLogger("specgate.limits")
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_HEADERS = 100
-# How long a refused connection is drained (module docstring of ``_refuse``) before it is closed.
+# How long, and how many more bytes, a refused connection is drained (``_refuse``) before it is closed.
 LINGER_S = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._heads = 0  # request heads completed on this connection
         self._refused = False
+        self._drained = 0
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -116,7 +118,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused:  # draining after a refusal: dropped unread, up to LINGER_BYTES
+            self._drained += len(data)
+            if self._drained > LINGER_BYTES:
+                self.transport.close()
             return
         self._unset_keepalive_if_required()
         limit = self.head_limits.max_header_bytes
@@ -176,8 +181,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.abort()  # a response is on the wire: nothing can be said on this connection
             return
         # A lingering close: the answer goes out, then our side is half-closed, and what the client still sends is
-        # read and dropped until it closes or LINGER_S passes. Closing at once with unread bytes would make the
-        # kernel reset the connection, and the client could lose the answer it had not read yet.
+        # read and dropped until it closes, LINGER_S passes or LINGER_BYTES more came. Closing at once with unread
+        # bytes would make the kernel reset the connection, and a client that is still sending could lose the
+        # answer it had not read yet; draining without end would let an attacker keep the loop busy.
         transport = self.transport
         transport.write(_refusal(status, message, code))
         if transport.can_write_eof():

@@ -92,9 +92,12 @@ def test_one_huge_header_without_credentials_is_431_after_the_limit(gw_auth: Any
     assert err["code"] == "request_header_fields_too_large"
     assert err["type"] == "invalid_request_error"
     assert "65536" in err["message"]
-    assert send_head_attack(gw.port, huge_header(8 * 2**20))[0] == 431  # and the whole of it, drained and dropped
+    # The whole of it: drained (up to a bound), dropped; the client may see 431 or the connection reset.
+    with contextlib.suppress(OSError, IndexError):
+        assert send_head_attack(gw.port, huge_header(8 * 2**20))[0] == 431
     assert posts(std) == []
     assert metric(gw, 'specgate_limit_refusals_total{limit="header_bytes"}') == 2
+    assert posts(std) == []
 
 
 def test_too_many_headers_with_a_valid_key_are_431_and_never_forwarded(gw_auth: Any) -> None:
@@ -157,6 +160,7 @@ def test_bystanders_stay_fast_while_huge_headers_arrive(gw_auth: Any) -> None:
     finally:
         attack.kill()
     statuses = orjson.loads(out)["statuses"]
-    assert set(statuses) == {"431"}, statuses
+    assert "431" in statuses, statuses
+    assert set(statuses) <= {"431", "0"}, statuses  # 0: reset while still sending, after the drain bound
     p99 = percentile(lat, 0.99)
     assert p99 < 0.05, f"/health p99 {p99 * 1000:.1f} ms during the attack ({len(lat)} requests)"
