@@ -71,7 +71,16 @@ headers = st.dictionaries(
     max_size=6,
 )
 paths = st.sampled_from(
-    ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready", "/nope"]
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/nope",
+    ]
 )
 
 
