@@ -149,9 +149,12 @@ def test_a_malformed_request_gets_the_envelope(gw_auth: Any) -> None:
 
 
 def test_bystanders_stay_fast_while_huge_headers_arrive(gw_auth: Any) -> None:
-    """The issue's 32 MiB header froze the loop for seconds (quadratic joins in the parser); here 3 attackers, in
-    their own process, send 8 MiB headers in a loop while a bystander's /health p99 stays under 50 ms."""
+    """The issue's 32 MiB header froze the loop for seconds (quadratic joins in the parser: /health p99 3.6 s);
+    here 3 attackers, in their own process, send 8 MiB headers in a loop while a bystander's /health p99 stays
+    under 50 ms. On a machine too busy for that even without an attack, the bound is 3x the p99 measured just
+    before (the frozen loop was 100x)."""
     gw, _ = gw_auth
+    quiet = percentile(health_latencies(gw.url, 1.5), 0.99)
     attack = start_flood(gw.port, 8 * 2**20, clients=3, seconds=4)
     try:
         time.sleep(0.5)
@@ -163,4 +166,5 @@ def test_bystanders_stay_fast_while_huge_headers_arrive(gw_auth: Any) -> None:
     assert "431" in statuses, statuses
     assert set(statuses) <= {"431", "0"}, statuses  # 0: reset while still sending, after the drain bound
     p99 = percentile(lat, 0.99)
-    assert p99 < 0.05, f"/health p99 {p99 * 1000:.1f} ms during the attack ({len(lat)} requests)"
+    bound = max(0.05, 3 * quiet)
+    assert p99 < bound, f"/health p99 {p99 * 1000:.1f} ms during the attack, {quiet * 1000:.1f} ms before"
