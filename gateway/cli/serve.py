@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
 
 from gateway.admin.app import create_admin_app
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
+from gateway.proxy.app import GatewayApp
 
 logger = logging.getLogger("specgate")
 
@@ -107,7 +107,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def build_listeners(
-    application: Starlette, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    application: GatewayApp, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> Listeners:
     """The servers of a one-worker gateway. ``common``: uvicorn.Config arguments shared by both (host and port are
     the main listener's). Binds the admin socket now, so that a port in use fails before anything serves.

@@ -1,8 +1,9 @@
 """Forwarding: the attempt loop, the commit point, and the relay of the upstream response.
 
-``ProxyResponse`` is the ASGI app a handler returns once the request is classified and planned. It runs the
-attempts and the relay while watching for the client's disconnect, so that a client that goes away cancels
-the upstream request at once, whether the gateway was waiting for headers, the first token, or relaying.
+``ProxyExchange`` is the ASGI app that answers a request once it is classified and planned
+(``gateway.proxy.intake``). It runs the attempts and the relay while watching for the client's disconnect, so that
+a client that goes away cancels the upstream request at once, whether the gateway was waiting for headers, the
+first token, or relaying.
 
 The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
 for a retryable reason (connect error, timeout or no first event within the TTFT deadline, 429/5xx, an error
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import Defaults
@@ -68,7 +68,7 @@ from gateway.routing.plan import Plan
 
 logger = logging.getLogger("specgate.forward")
 
-# How long a request runs before the gateway starts watching for its client's disconnect (ProxyResponse.__call__):
+# How long a request runs before the gateway starts watching for its client's disconnect (ProxyExchange.__call__):
 # the upper bound on how late a disconnect cancels the upstream request.
 WATCH_AFTER_S = 0.05
 
@@ -106,8 +106,10 @@ class _Opened:
     model: str | None = None  # the model asked for instead of the requested one (route.fallback_model)
 
 
-class ProxyResponse(Response):
-    """An ASGI response that runs the attempts and the relay itself (no body of its own)."""
+class ProxyExchange:
+    """One proxied request from its first attempt to its last byte, as an ASGI app: the attempt loop up to the
+    commit point, then the relay of the chosen pool's response, then the record (metrics, log line, stored result).
+    Called once; its fields are that request's state."""
 
     def __init__(
         self,

@@ -221,7 +221,7 @@ def note_failure(
     return duration
 
 
-# --- the policy a ProxyResponse uses -----------------------------------------------------------------------
+# --- the policy a ProxyExchange uses -----------------------------------------------------------------------
 
 
 class AttemptPolicy:

@@ -1,4 +1,4 @@
-"""The real attempt loop (``ProxyResponse``) against scripted in-process pools, over random fault sequences.
+"""The real attempt loop (``ProxyExchange``) against scripted in-process pools, over random fault sequences.
 
 Every upstream attempt answers according to a script (one fault per attempt, in order); each byte an attempt
 sends is tagged with the attempt's number, so the client's response shows which attempts it contains. Properties:
@@ -30,7 +30,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
-from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.forward import ProxyExchange, ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.plan import Plan
@@ -209,7 +209,7 @@ async def _run(
         extra_headers=[],
         parsed=body if stream else None,
     )
-    response = ProxyResponse(
+    response = ProxyExchange(
         job,
         pools,
         clients,
