@@ -34,6 +34,9 @@ from typing import Any, ClassVar
 
 
 class GatewayError(Exception):
+    """An error the gateway answers itself, before any response started: ``status``, the OpenAI ``type`` and
+    ``code``, and ``headers`` (Retry-After, ...). The module docstring shows the tree."""
+
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None

@@ -28,7 +28,7 @@ from rich.table import Table
 from gateway.admin import client as ac
 from gateway.admin.client import Call
 from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, EXPLAIN_DEFAULT_PATH, TOKEN_ENV, URL_ENV
-from gateway.cli.render import _fmt, render
+from gateway.cli.render import cell, render
 
 
 def _fail(err: Console, message: str, code: int) -> typer.Exit:
@@ -220,9 +220,9 @@ def _print_pools(data: dict[str, Any]) -> None:
     for name, p in (data.get("pools") or {}).items():
         p = p if isinstance(p, dict) else {}
         pool_cells = (
-            _fmt(p.get("waiting"), digits=0),
-            _fmt(p.get("running"), digits=0),
-            _fmt(p.get("acceptance_rate")),
+            cell(p.get("waiting"), digits=0),
+            cell(p.get("running"), digits=0),
+            cell(p.get("acceptance_rate")),
         )
         drained = p.get("drained") or any(o.get("kind") == "drain" for o in p.get("overrides") or [])
         kind = escape(str(p.get("kind", "–"))) + (" [bold](drained)[/]" if drained else "")
@@ -235,7 +235,7 @@ def _print_pools(data: dict[str, Any]) -> None:
                 _yes(e.get("healthy")),
                 ac.number_text(configured),
                 ac.number_text(e.get("effective_weight")),
-                _fmt(e.get("in_flight", p.get("in_flight")), digits=0),
+                cell(e.get("in_flight", p.get("in_flight")), digits=0),
                 *pool_cells,
                 {None: "–", True: "[bold red]yes[/]", False: "no"}[ac.ejected(e)],
             )

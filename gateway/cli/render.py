@@ -1,5 +1,5 @@
 """Rendering a routing explanation (the admin API's ``/admin/explain`` answer) for the terminal: the header
-lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, and ``_fmt``,
+lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, and ``cell``,
 the table-cell number format the admin CLI's other tables share.
 """
 
@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 
-def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+def cell(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
     """A number for a table cell; '–' for unknown (null), never 0."""
     if value is None or isinstance(value, bool):
         return "–" if value is None else str(value).lower()
@@ -55,10 +55,10 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
         lines.append(
             "[bold]request[/] "
             + escape(
-                f"model {f.get('model')}, temperature {_fmt(f.get('temperature'))}, top_p {_fmt(f.get('top_p'))}, "
-                f"max_tokens {_fmt(f.get('max_tokens'), digits=0)}, stream {_fmt(f.get('stream'))}, "
+                f"model {f.get('model')}, temperature {cell(f.get('temperature'))}, top_p {cell(f.get('top_p'))}, "
+                f"max_tokens {cell(f.get('max_tokens'), digits=0)}, stream {cell(f.get('stream'))}, "
                 f"~{f.get('prompt_tokens')} prompt tokens, response_format {f.get('response_format')}, "
-                f"tools {_fmt(f.get('tools'))}"
+                f"tools {cell(f.get('tools'))}"
             )
         )
     ctl, choice = data.get("controller"), data.get("choice")
@@ -66,7 +66,7 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
         share = (choice or {}).get("share", ctl.get("share"))
         text = f"state {ctl.get('state')}"
         if share is not None:
-            text += f", speculative share {_fmt(share)}"
+            text += f", speculative share {cell(share)}"
         if ctl.get("last_reason"):
             text += f", last change: {ctl['last_reason']}"
         if ctl.get("holding"):
@@ -81,9 +81,9 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             lines.append(
                 "[bold]last observation[/] "
                 + escape(
-                    f"expected delay speculative {_fmt(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
-                    f"{_fmt(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
-                    f"{_fmt(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
+                    f"expected delay speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
+                    f"{cell(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
+                    f"{cell(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
                 )
             )
     elif tc.get("route") is not None:
@@ -104,13 +104,13 @@ def _live_table(data: dict[str, Any]) -> Table:
             escape(name),
             roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
             f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
-            _fmt(p.get("in_flight"), digits=0),
-            _fmt(p.get("running"), digits=0),
-            _fmt(p.get("waiting"), digits=0),
-            _fmt(p.get("kv_usage"), "%", 100, 0),
-            _fmt(p.get("tpot_mean_s"), "ms", 1000, 1),
-            _fmt(p.get("acceptance_rate")),
-            _fmt(p.get("mean_acceptance_length")),
+            cell(p.get("in_flight"), digits=0),
+            cell(p.get("running"), digits=0),
+            cell(p.get("waiting"), digits=0),
+            cell(p.get("kv_usage"), "%", 100, 0),
+            cell(p.get("tpot_mean_s"), "ms", 1000, 1),
+            cell(p.get("acceptance_rate")),
+            cell(p.get("mean_acceptance_length")),
         )
     return t
 

@@ -75,6 +75,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 @dataclass(slots=True)
 class Listeners:
+    """The uvicorn servers of a one-worker gateway: the client listener and, unless ``--admin-port 0``, the
+    admin listener on its own socket, served in one event loop."""
+
     main: uvicorn.Server
     admin: AdminServer | None = None
     admin_socket: socket.socket | None = None

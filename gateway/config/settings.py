@@ -18,11 +18,15 @@ ENV_PREFIX = "SPECGATE_"
 
 
 class SettingsError(ValueError):
-    pass
+    """A setting out of range or malformed; its message names the setting."""
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """The process settings: every ``specgate serve`` flag, each with its ``SPECGATE_*`` variable
+    (``from_env``, ``to_env`` for the workers of ``--workers N``). Validated at construction (``SettingsError``);
+    immutable. Routing lives in the YAML at ``rules``, not here."""
+
     rules: Path
     host: str = "0.0.0.0"
     port: int = 8080

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.config.schema import Pool as PoolSpec
@@ -25,6 +24,10 @@ from gateway.config.schema import Pool as PoolSpec
 
 @dataclass(slots=True)
 class EndpointState:
+    """One vLLM endpoint at run time: its effective and configured weight, health (active checks), in-flight
+    count, consecutive failures and ejection (passive outlier detection). Mutated in place by the attempt loop,
+    the health checker and overrides; kept across reloads while its pool, id and URL stay the same."""
+
     id: str
     url: str
     pool: str
@@ -92,6 +95,9 @@ class EndpointState:
 
 @dataclass(slots=True)
 class PoolState:
+    """One pool at run time: its YAML spec, the models it serves, and its endpoints' state; ``pick`` chooses
+    an endpoint for an attempt (weighted power of two choices, least in-flight per weight)."""
+
     name: str
     spec: PoolSpec
     endpoints: list[EndpointState]
@@ -125,12 +131,3 @@ class PoolState:
         if a is b:
             return a
         return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
-
-
-@contextmanager
-def in_flight(ep: EndpointState) -> Iterator[None]:
-    ep.in_flight += 1
-    try:
-        yield
-    finally:
-        ep.in_flight -= 1

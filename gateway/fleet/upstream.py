@@ -5,7 +5,8 @@ Why not httpx's default transport: on this class of machine its connection pool 
 req/s at 32 connections through a minimal pass-through proxy, against 5k+ on aiohttp's). Why not aiohttp's client,
 which does not collapse: it was still a third of the gateway's CPU per request (``gateway.fleet.h1client`` says
 where). The proxy needs only POST with a body of known length and the response as bytes; everything above this
-module sees plain bytes, statuses and our own errors.
+module sees plain bytes, statuses and our own errors. The client fails with ``OSError`` (``h1client.ConnectionBroken``,
+``ConnectFailed``) or ``TimeoutError``, nothing else.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-import aiohttp
 
 from gateway.config.schema import Pool as PoolSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
@@ -60,7 +59,7 @@ class UpstreamResponse:
             return await self.raw.read()
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while reading the body") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamConnectError(f"upstream broke while sending the body: {_describe(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -70,7 +69,7 @@ class UpstreamResponse:
                 yield chunk
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamConnectError(f"upstream connection broke: {_describe(exc)}") from exc
 
     @property
@@ -88,7 +87,7 @@ class UpstreamResponse:
             async with asyncio.timeout(timeout_s):
                 await self.raw.read()
             self.release()
-        except (aiohttp.ClientError, OSError, TimeoutError):
+        except (OSError, TimeoutError):
             self.abort()
 
     def abort(self) -> None:

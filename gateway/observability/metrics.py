@@ -66,6 +66,10 @@ class LatencyWindow:
 
 
 class GatewayMetrics:
+    """The gateway's ``specgate_*`` Prometheus metrics in their own registry (requests, latency, attempts,
+    fallbacks, in-flight, acceptance, idempotency, config), with the helpers the request path records through.
+    With ``--workers N`` it writes to prometheus_client's multiprocess directory (``share_across_workers``)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry

@@ -75,6 +75,10 @@ WATCH_AFTER_S = 0.05
 
 @dataclass(slots=True)
 class ProxyJob:
+    """What the front half (``gateway.proxy.intake``) hands to the exchange: the raw body and client headers to
+    forward, the plan and attempt limit, the request's record, the headers every answer carries, and its
+    Idempotency-Key claim."""
+
     path: str
     body: bytes
     client_headers: list[tuple[str, str]]

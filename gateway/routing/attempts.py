@@ -258,6 +258,8 @@ class AttemptPolicy:
 
 @dataclass(frozen=True, slots=True)
 class AttemptFailure:
+    """An attempt that failed before the commit point: where, the error, and its result label."""
+
     pool: str
     endpoint: str
     error: UpstreamError

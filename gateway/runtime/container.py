@@ -41,6 +41,15 @@ logger = logging.getLogger("specgate")
 
 
 class Runtime:
+    """The one dependency container of a gateway process: everything a request or a background task needs.
+
+    Holds the settings, the config in force (``live``, swapped whole by ``reloader``), the metrics and access log,
+    the process-wide attempt policy (retry budget, outlier ejection), the class controllers' ``routing`` state,
+    the health checker and scraper that feed it, the idempotency ``store``, the on-call ``overrides`` and their
+    ``audit``. Built once by ``create_app`` (``from_settings`` validates the YAML first); ``start`` and ``stop``
+    run the background tasks from the app's lifespan. Handlers read ``live`` once per request, so a request sees
+    one config from start to end."""
+
     def __init__(self, settings: Settings, live: LiveConfig) -> None:
         self.settings = settings
         self.live = live
