@@ -1,6 +1,6 @@
 """Rendering a routing explanation (the admin API's ``/admin/explain`` answer) for the terminal: the header
-lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, and ``cell``,
-the table-cell number format the admin CLI's other tables share.
+lines (class, task, route, features, controller), the live-pools table, the attempt-plan table (both fitted to
+the terminal: ``gateway.cli.tables``), and ``cell``, the table-cell number format the admin CLI's tables share.
 """
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from gateway.cli.tables import Column, fit_table
 
 
 def cell(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
@@ -91,56 +92,69 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _live_table(data: dict[str, Any]) -> Table:
+LIVE_COLUMNS = (
+    Column("pool"),
+    Column("role"),
+    Column("eps", "number"),
+    Column("in-flt", "number"),
+    Column("run", "number", drop=3),
+    Column("wait", "number"),
+    Column("KV", "number", drop=4),
+    Column("TPOT", "number", drop=2),
+    Column("accept", "number"),
+    Column("len", "number", drop=1),
+)
+
+
+def _live_table(data: dict[str, Any], width: int) -> Table:
     roles = _roles((data.get("traffic_class") or {}).get("route"))
-    t = Table(title="live pools (– unknown)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("pool", "role", "eps", "in-flt", "run", "wait", "KV", "TPOT", "accept", "len"):
-        t.add_column(col, justify="left" if col in ("pool", "role") else "right", no_wrap=True)
+    rows: list[list[str]] = []
     for name, p in (data.get("live") or {}).items():
         if not p.get("known"):
-            t.add_row(escape(name), roles.get(name, ""), *["–"] * 8)
+            rows.append([escape(name), roles.get(name, ""), *["–"] * 8])
             continue
-        t.add_row(
-            escape(name),
-            roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
-            f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
-            cell(p.get("in_flight"), digits=0),
-            cell(p.get("running"), digits=0),
-            cell(p.get("waiting"), digits=0),
-            cell(p.get("kv_usage"), "%", 100, 0),
-            cell(p.get("tpot_mean_s"), "ms", 1000, 1),
-            cell(p.get("acceptance_rate")),
-            cell(p.get("mean_acceptance_length")),
+        rows.append(
+            [
+                escape(name),
+                roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
+                f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
+                cell(p.get("in_flight"), digits=0),
+                cell(p.get("running"), digits=0),
+                cell(p.get("waiting"), digits=0),
+                cell(p.get("kv_usage"), "%", 100, 0),
+                cell(p.get("tpot_mean_s"), "ms", 1000, 1),
+                cell(p.get("acceptance_rate")),
+                cell(p.get("mean_acceptance_length")),
+            ]
         )
-    return t
+    return fit_table("live pools (– unknown)", LIVE_COLUMNS, rows, width)
 
 
-def _plan_table(plan: dict[str, Any]) -> Table:
-    t = Table(
-        title=f"plan (max {plan.get('max_attempts')} attempts)",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for col in ("attempt", "pool", "kind", "why"):
-        t.add_column(col, justify="right" if col == "attempt" else "left")
-    for s in plan.get("steps") or []:
-        t.add_row(str(s.get("attempt")), escape(str(s.get("pool"))), escape(str(s.get("kind"))), escape(s["reason"]))
-    for s in plan.get("skipped") or []:
-        t.add_row("–", escape(str(s.get("pool"))), "", f"[dim]skipped: {escape(str(s.get('reason')))}[/]")
-    return t
+PLAN_COLUMNS = (Column("attempt", "number"), Column("pool"), Column("kind"), Column("why", "text"))
+
+
+def _plan_table(plan: dict[str, Any], width: int) -> Table:
+    rows = [
+        [str(s.get("attempt")), escape(str(s.get("pool"))), escape(str(s.get("kind"))), escape(s["reason"])]
+        for s in plan.get("steps") or []
+    ]
+    rows += [
+        ["–", escape(str(s.get("pool"))), "", f"[dim]skipped: {escape(str(s.get('reason')))}[/]"]
+        for s in plan.get("skipped") or []
+    ]
+    return fit_table(f"plan (max {plan.get('max_attempts')} attempts)", PLAN_COLUMNS, rows, width)
 
 
 def render(data: dict[str, Any], out: Console) -> None:
     for line in _header_lines(data):
         out.print(line, highlight=False, soft_wrap=True)
-    out.print(_live_table(data))
+    out.print(_live_table(data, out.width))
     live = data.get("live") or {}
     stale = [name for name, p in live.items() if p.get("known") and p.get("stale")]
     if stale:
         out.print(f"[dim]stale (no fresh scrape): {escape(', '.join(stale))}[/]", highlight=False, soft_wrap=True)
     plan = data.get("plan") or {}
-    out.print(_plan_table(plan))
+    out.print(_plan_table(plan, out.width))
     if len(plan.get("steps") or []) > 1:
         out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
     if plan.get("empty"):
