@@ -89,6 +89,14 @@ def serve(
             "--no-cluster: each replica on its own.",
         ),
     ] = True,
+    per_worker_state: Annotated[
+        bool,
+        typer.Option(
+            "--per-worker-state",
+            envvar="SPECGATE_PER_WORKER_STATE",
+            help="Accept --workers N without Redis: each worker keeps its own idempotency records and overrides.",
+        ),
+    ] = False,
 ) -> None:
     """Start the gateway."""
     try:
@@ -107,6 +115,7 @@ def serve(
             admin_port=admin_port,
             redis_url=redis_url or None,
             cluster=cluster,
+            per_worker_state=per_worker_state,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
@@ -223,9 +232,12 @@ def bench_controller_cmd(
     time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.05,
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 4,
     output_len: Annotated[int, typer.Option(help="Median answer length of the simulated servers (tokens).")] = 200,
+    admission: Annotated[
+        bool, typer.Option(help="Admission control (load shedding) sized from the simulators' max_num_seqs.")
+    ] = True,
 ) -> None:
-    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions and
-    per-class acceptance."""
+    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions,
+    per-class acceptance, shed requests and the recovery after the step."""
     from gateway.bench.controller import bench_controller, parse_phases, render
 
     try:
@@ -235,6 +247,7 @@ def bench_controller_cmd(
             time_scale=time_scale,
             max_num_seqs=max_num_seqs,
             output_len=output_len,
+            admission=admission,
         )
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc

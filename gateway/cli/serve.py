@@ -150,6 +150,11 @@ def run_server(settings: Settings) -> None:
     from gateway.proxy.app import create_app, tune_gc
 
     configure_logging(settings.log_level)
+    problem = settings.shared_state_problem()
+    if problem is not None:
+        raise _fail(problem)
+    if settings.workers > 1 and settings.redis_url is None:
+        logger.warning("--per-worker-state: %d workers, each with its own idempotency records", settings.workers)
     try:
         application = create_app(settings)  # validates the YAML and the key file before listening
     except RulesError as exc:

@@ -10,8 +10,9 @@ aiohttp for the health checks and scrapes (off the hot path).
 Scope: HTTP/1.1 (and 1.0 responses), plain TCP or TLS; responses framed by Content-Length, chunked encoding or the
 connection's close; gzip and deflate bodies decoded (the gateway asks for ``identity``). No redirects, cookies,
 proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps (``gateway.fleet.upstream``):
-``ConnectFailed`` (no connection could be made or had), ``ConnectionBroken`` (the connection broke or the response
-was malformed) and ``TimeoutError`` (the request's total deadline passed).
+``ConnectFailed`` (no connection could be made; its ``PoolExhausted``: no free pooled one in time),
+``ConnectionBroken`` (the connection broke or the response was malformed) and ``TimeoutError`` (the request's total
+deadline passed).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ MAX_HEAD_BYTES = 2**16
 
 class ConnectFailed(OSError):
     """No connection to the endpoint: refused, unresolvable, connect timeout, or no free pooled one in time."""
+
+
+class PoolExhausted(ConnectFailed):
+    """Every connection of the pool stayed busy until the wait for one timed out: the endpoint is busy, not down."""
 
 
 class ConnectionBroken(ConnectionError):
@@ -392,7 +397,7 @@ class HostPool:
                 async with asyncio.timeout(self.acquire_s):
                     await self._slots.acquire()
             except TimeoutError:
-                raise ConnectFailed(f"no free connection (limit {self.limit}) within {self.acquire_s:g} s") from None
+                raise PoolExhausted(f"no free connection (limit {self.limit}) within {self.acquire_s:g} s") from None
         else:
             await self._slots.acquire()
         now = time.monotonic()

@@ -43,6 +43,8 @@ class EndpointState:
     ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
     ejections: int = 0  # k: ejections in a row, for the growing ejection time
     last_ejected: float | None = None  # monotonic time of the last ejection
+    queue_waiting: float = 0.0  # vLLM's waiting requests at the last good scrape (gateway.fleet.scraper)
+    queue_fresh_until: float = 0.0  # monotonic; after this the scraped queue is unknown (stale), never read as 0
 
     def __post_init__(self) -> None:
         if self.configured_weight < 0:
@@ -62,6 +64,15 @@ class EndpointState:
         self.consecutive_failures += 1
         self.last_error = reason
         return self.consecutive_failures
+
+    def note_queue(self, waiting: float, fresh_until: float) -> None:
+        """A good scrape: vLLM's queue on this endpoint, valid until ``fresh_until``."""
+        self.queue_waiting = waiting
+        self.queue_fresh_until = fresh_until
+
+    def queueing(self, now: float) -> bool:
+        """The last fresh scrape saw requests waiting in vLLM's queue."""
+        return self.queue_waiting > 0 and now < self.queue_fresh_until
 
     def mark_success(self) -> None:
         self.consecutive_failures = 0

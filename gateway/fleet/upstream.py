@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config.schema import Pool as PoolSpec
-from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
-from gateway.fleet.h1client import ConnectFailed, HostPool
+from gateway.errors import UpstreamConnectError, UpstreamPoolFull, UpstreamTimeout, UpstreamUnreachable
+from gateway.fleet.h1client import ConnectFailed, HostPool, PoolExhausted
 from gateway.fleet.pools import EndpointState
 
 
@@ -139,6 +139,8 @@ class PoolClient:
         pool's total timeout)."""
         try:
             raw = await self._host(ep.url).request(path, body, headers, method=method)
+        except PoolExhausted as exc:  # busy, not broken: back-pressure (gateway.routing.attempts)
+            raise UpstreamPoolFull(f"{ep.id} is busy: {exc}") from exc
         except ConnectFailed as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except TimeoutError as exc:

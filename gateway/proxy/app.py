@@ -35,6 +35,7 @@ from gateway.observability.metrics import CONTENT_TYPE, multiprocess_dir
 from gateway.proxy.http import error_response, exception_handlers, is_bug, json_response
 from gateway.proxy.intake import ProxyRoute, admit
 from gateway.proxy.responses import cancel_response, retrieve_response
+from gateway.proxy.stall import remember_transport
 from gateway.proxy.tokens import detokenize, tokenize
 from gateway.runtime.container import Runtime
 
@@ -97,6 +98,7 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            remember_transport(scope, send)  # to cut off a client that stops reading (gateway.proxy.stall)
             route = self.proxy_routes.get(route_path(scope))
             if route is not None:
                 if scope["method"] == "POST":
