@@ -13,7 +13,8 @@ ejections and the gateway's request count. Every request ends with exactly one c
 Checks (``Report.problems``; none = pass): the gateway counted every request exactly once (its
 ``specgate_requests_total`` grew by the number of requests sent), no stream ended without ``[DONE]`` (``broken``),
 the in-flight gauges are back to 0 at the end, RSS grew less than ``max_rss_growth`` from the end of the warm-up
-(the first ``warmup_share`` of the run) to the end, and no endpoint was ejected outside the fault windows (an
+(the first ``warmup_share`` of the run) to the end, open file descriptors are back within a few of the start once
+idle connections have closed, and no endpoint was ejected outside the fault windows (an
 endpoint that was only busy is never ejected).
 """
 
@@ -49,6 +50,9 @@ PROMPTS = (
 )
 
 
+FD_SLACK = 10  # descriptors the gateway may hold open after the run beyond those at the start (logs, the loop's own)
+
+
 @dataclass(frozen=True, slots=True)
 class Fault:
     start: float  # fraction of the duration
@@ -82,6 +86,7 @@ class SoakConfig:
     warmup_share: float = 0.2
     max_rss_growth: float = 0.10
     sample_s: float = 1.0
+    settle_s: float = 6.0  # after the run, before the last sample: idle keep-alive connections close
     seed: int = 11
 
 
@@ -123,6 +128,8 @@ class Report:
             warm, end = self.rss_at(c.duration_s * c.warmup_share), self.samples[-1].rss_kb
             if warm and (end - warm) / warm >= c.max_rss_growth:
                 self.problems.append(f"RSS grew {100 * (end - warm) / warm:.1f}% after warm-up ({warm} -> {end} kB)")
+        if len(self.samples) > 1 and self.samples[-1].fds > self.samples[0].fds + FD_SLACK:
+            self.problems.append(f"open fds: {self.samples[0].fds} at the start, {self.samples[-1].fds} at the end")
         for at in self.ejected_at:
             if not any(start - 1.0 <= at <= end + 5.0 for start, end, _ in self.windows):
                 self.problems.append(f"an endpoint was ejected at {at:.1f}s, outside every fault window")
@@ -196,9 +203,8 @@ class _Soak:
 
     async def normal(self, session: aiohttp.ClientSession) -> str:
         try:
-            async with session.post(
-                self.url + "/v1/chat/completions", data=self.body(self.cfg.max_tokens), headers={"content-type": "application/json"}
-            ) as r:
+            body, headers = self.body(self.cfg.max_tokens), {"content-type": "application/json"}
+            async with session.post(self.url + "/v1/chat/completions", data=body, headers=headers) as r:
                 data = await r.read()
                 if r.status in (429, 503) and "retry-after" in r.headers:
                     await asyncio.sleep(min(5.0, float(r.headers["retry-after"])))  # as the OpenAI SDKs do
@@ -268,31 +274,39 @@ class _Soak:
 
     async def faults(self, session: aiohttp.ClientSession) -> None:
         target = self.stand_ins[0]
-        for f in SCHEDULE:
-            if f.name == "redis" and self.redis is None:
-                continue
-            await asyncio.sleep(max(0.0, self.t0 + f.start * self.cfg.duration_s - time.monotonic()))
-            start = time.monotonic() - self.t0
-            if f.name == "restart":
-                proc = self.procs[target.pool]
-                proc.terminate()
-                await asyncio.to_thread(proc.wait, 10)
-                await asyncio.sleep(0.5)
-                self.procs[target.pool] = subprocess.Popen(target.cmd, stdout=subprocess.DEVNULL)
-                await asyncio.to_thread(wait_for_port, target.port)
-            elif f.name == "redis":
-                await asyncio.to_thread(self.redis.restart)
-            else:
-                url = f"http://127.0.0.1:{target.port}/sim/faults"
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.put(url, json=f.patch) as r:
-                        await r.read()
-            await asyncio.sleep(max(0.0, self.t0 + f.end * self.cfg.duration_s - time.monotonic()))
-            if f.patch:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.post(f"http://127.0.0.1:{target.port}/sim/faults/reset") as r:
-                        await r.read()
-            self.report.windows.append((round(start, 1), round(time.monotonic() - self.t0, 1), f.name))
+        windows = self.report.windows
+        try:
+            for f in SCHEDULE:
+                if f.name == "redis" and self.redis is None:
+                    continue
+                await asyncio.sleep(max(0.0, self.t0 + f.start * self.cfg.duration_s - time.monotonic()))
+                windows.append((round(time.monotonic() - self.t0, 1), float("inf"), f.name))  # open until it ends
+                if f.name == "restart":
+                    await asyncio.to_thread(self.restart, target)
+                elif f.name == "redis":
+                    await asyncio.to_thread(self.redis.restart)
+                else:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.put(f"http://127.0.0.1:{target.port}/sim/faults", json=f.patch) as r:
+                            await r.read()
+                await asyncio.sleep(max(0.0, self.t0 + f.end * self.cfg.duration_s - time.monotonic()))
+                if f.patch:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.post(f"http://127.0.0.1:{target.port}/sim/faults/reset") as r:
+                            await r.read()
+                windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), f.name)
+        finally:
+            if windows and windows[-1][1] == float("inf"):  # cut short by the end of the run
+                windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), windows[-1][2])
+
+    def restart(self, target: StandIn) -> None:
+        """Stop the pool's server process and start it again on the same port (a pod restart)."""
+        proc = self.procs[target.pool]
+        proc.terminate()
+        proc.wait(10)
+        time.sleep(0.5)
+        self.procs[target.pool] = subprocess.Popen(target.cmd, stdout=subprocess.DEVNULL)
+        wait_for_port(target.port)
 
     async def run(self) -> Report:
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
@@ -320,9 +334,11 @@ class _Soak:
                 if done or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
-            rss, fds = _proc_numbers(self.gw_pid)
-            t = round(time.monotonic() - self.t0, 1)
-            self.report.samples.append(Sample(t, rss, fds, self.report.final_in_flight, 0.0, 0.0))
+        # The clients' connections are closed now; idle upstream ones close when the servers' keep-alive ends.
+        await asyncio.sleep(self.cfg.settle_s)
+        rss, fds = _proc_numbers(self.gw_pid)
+        t = round(time.monotonic() - self.t0, 1)
+        self.report.samples.append(Sample(t, rss, fds, self.report.final_in_flight, 0.0, 0.0))
         self.report.check()
         return self.report
 
@@ -361,8 +377,8 @@ def run_soak(cfg: SoakConfig) -> Report:
     ports = {p["name"]: free_port() for p in rules["pools"]}
     stand_ins = plan_stand_ins(rules, ports, time_scale=cfg.time_scale)
     extra = ["--max-num-seqs", str(cfg.max_num_seqs), "--seed", "3"]
-    procs = {s.pool: subprocess.Popen(s.cmd + (extra if "sim" in s.cmd else []), stdout=subprocess.DEVNULL) for s in stand_ins}
     stand_ins = [StandIn(s.pool, s.port, s.cmd + (extra if "sim" in s.cmd else [])) for s in stand_ins]
+    procs = {s.pool: subprocess.Popen(s.cmd, stdout=subprocess.DEVNULL) for s in stand_ins}
     gw: subprocess.Popen[bytes] | None = None
     redis: _Redis | None = None
     try:
@@ -375,7 +391,8 @@ def run_soak(cfg: SoakConfig) -> Report:
             if binary is not None:
                 redis = _Redis(binary, tmp)
                 redis.start()
-            gw_rules = with_admission(scaled_rules(stand_in_rules(rules, ports), cfg.time_scale), cfg.max_num_seqs, True)
+            scaled = scaled_rules(stand_in_rules(rules, ports), cfg.time_scale)
+            gw_rules = with_admission(scaled, cfg.max_num_seqs, True)
             gw_rules["overload"] = {**(gw_rules.get("overload") or {}), "client_send_timeout_s": cfg.send_timeout_s}
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))

@@ -272,6 +272,45 @@ def bench_cluster_cmd(
     out.print(render(run), highlight=False, soft_wrap=True)
 
 
+@bench_app.command("soak")
+def bench_soak_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML; its pools get simulated servers.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+    streams: Annotated[int, typer.Option(help="Concurrent closed-loop streaming clients.")] = 1000,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 600.0,
+    stall_share: Annotated[float, typer.Option(help="Share of requests whose client stops reading.")] = 0.01,
+    faults: Annotated[bool, typer.Option(help="Inject faults on the schedule (cut, hang, 503, restart).")] = True,
+    redis: Annotated[bool, typer.Option(help="Share state through a private redis-server, restarted mid-run.")] = False,
+    time_scale: Annotated[float, typer.Option(help="Simulator clock x this.")] = 0.05,
+    max_rss_growth: Annotated[float, typer.Option(help="Largest RSS growth after warm-up (fraction).")] = 0.10,
+) -> None:
+    """Many concurrent streams with faults on a schedule: RSS, fds, in-flight gauges and outcomes over time; exit 1
+    when a request was not counted exactly once, a gauge is not back to 0, RSS grew, or a busy endpoint was
+    ejected."""
+    from gateway.bench.soak import SoakConfig, run_soak
+
+    if streams < 1 or duration <= 0 or not 0 <= stall_share <= 1:
+        raise _fail("--streams must be >= 1, --duration > 0, --stall-share between 0 and 1")
+    cfg = SoakConfig(
+        rules=rules,
+        streams=streams,
+        duration_s=duration,
+        stall_share=stall_share,
+        faults=faults,
+        redis=redis,
+        time_scale=time_scale,
+        max_rss_growth=max_rss_growth,
+    )
+    try:
+        report = run_soak(cfg)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(report.render(), highlight=False, soft_wrap=True)
+    if report.problems:
+        raise typer.Exit(1)
+
+
 @bench_app.command("classify")
 def bench_classify_cmd(
     rules: Annotated[Path | None, typer.Option(help="Routing YAML [default: the packaged default YAML].")] = None,
