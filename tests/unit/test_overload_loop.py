@@ -34,7 +34,9 @@ class Client:
     api_key = None
     first_byte_s = 5.0
 
-    async def post(self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+    async def post(
+        self, ep: EndpointState, path: str, body: bytes, headers: dict[str, str], *, method: str = "POST"
+    ) -> UpstreamResponse:
         self.posts.append(ep.id)
         what = self.script.get(self.pool, "ok")
         if what == "pool_full":
