@@ -306,7 +306,7 @@ class _Soak:
         proc.wait(10)
         time.sleep(0.5)
         self.procs[target.pool] = subprocess.Popen(target.cmd, stdout=subprocess.DEVNULL)
-        wait_for_port(target.port)
+        wait_for_port(target.port, timeout_s=60)
 
     async def run(self) -> Report:
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
@@ -384,7 +384,7 @@ def run_soak(cfg: SoakConfig) -> Report:
     try:
         with tempfile.TemporaryDirectory(prefix="specgate-soak-") as tmp:
             for s in stand_ins:
-                wait_for_port(s.port)
+                wait_for_port(s.port, timeout_s=60)
             binary = shutil.which("redis-server") if cfg.redis else None
             if cfg.redis and binary is None:
                 raise RuntimeError("--redis: no redis-server on PATH")
@@ -402,7 +402,7 @@ def run_soak(cfg: SoakConfig) -> Report:
             if redis is not None:
                 cmd += ["--redis-url", redis.url]
             gw = subprocess.Popen(cmd)
-            wait_for_port(port)
+            wait_for_port(port, timeout_s=60)  # a busy machine starts a Python process slowly
             soak = _Soak(cfg, f"http://127.0.0.1:{port}", gw.pid, stand_ins, redis)
             soak.procs = procs
             soak.model = rules["pools"][0]["models"][0]
