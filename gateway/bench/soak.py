@@ -224,23 +224,24 @@ class _Soak:
             "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
+        host, port = self.url.removeprefix("http://").split(":")
         try:
-            host, port = self.url.removeprefix("http://").split(":")
-            await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-            reader, writer = await asyncio.open_connection(sock=sock)
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return "client_exception"
+        try:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:  # a small receive window: the gateway's sends block once its buffers are full
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             writer.write(head + body)
             await writer.drain()
             await asyncio.sleep(3 * self.cfg.send_timeout_s)
             async with asyncio.timeout(120):
                 data = await reader.read()
-            writer.close()
         except (OSError, TimeoutError):
             return "client_exception"
         finally:
-            sock.close()
+            writer.close()
         return "stalled_ok" if data.rstrip().endswith(b"data: [DONE]") else "stalled_cut"
 
     async def client(self, session: aiohttp.ClientSession) -> None:
