@@ -56,7 +56,7 @@ def test_explain_prints_class_live_numbers_and_plan(admin_url: str, request_file
     assert "plan (max 2 attempts)" in out
     assert "stale (no fresh scrape): spec, std" in out  # nothing scraped: shown as unknown, never 0
     words = [line.split() for line in out.splitlines()]
-    assert ["spec", "preferred", "1/1", "0", "–", "–", "–", "–", "–", "–", "–"] in words  # no admission bound
+    assert ["spec", "preferred", "1/1", "0", "–", "–", "–", "–", "–", "–"] in words
     assert ["1", "spec", "speculative", "preferred"] in words
     assert ["2", "std", "standard", "alternate"] in words
 

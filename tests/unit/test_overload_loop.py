@@ -1,4 +1,4 @@
-"""Admission control and back-pressure in the real attempt loop (``ProxyResponse``), against scripted pools: a full
+"""Admission control and back-pressure in the real attempt loop (``ProxyExchange``), against scripted pools: a full
 pool is skipped or the request shed at once (503 overloaded, Retry-After, nothing sent), and after back-pressure
 a request moves only to an endpoint with headroom."""
 
@@ -17,7 +17,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
-from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.forward import ProxyJob, ProxyExchange
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.plan import Plan
@@ -73,7 +73,7 @@ class Result:
     body: dict[str, Any]
     posts: dict[str, list[str]]
     metrics: GatewayMetrics
-    response: ProxyResponse
+    response: ProxyExchange
 
 
 def run(ps: dict[str, PoolState], script: dict[str, str]) -> Result:
@@ -93,7 +93,7 @@ def run(ps: dict[str, PoolState], script: dict[str, str]) -> Result:
             record=RequestRecord("req-1", "/v1/chat/completions", traffic_class="c"),
             extra_headers=[],
         )
-        resp = ProxyResponse(
+        resp = ProxyExchange(
             job,
             ps,
             clients,  # type: ignore[arg-type]
