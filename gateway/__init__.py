@@ -2,7 +2,8 @@
 
 One request's path through the packages::
 
-    client -> proxy.app           parse the body once, auth, size limits, request id (proxy.responses: a Responses
+    client -> proxy.app           the dispatcher: a proxied POST goes to proxy.intake, the rest to Starlette
+           -> proxy.intake        parse the body once, auth, size limits, request id (proxy.responses: a Responses
                                   API follow-up is pinned to the endpoint holding its conversation)
            -> routing.classify    body + headers + rules -> features -> traffic class         (pure)
            -> routing.decision    class + live pool views + overrides + controller -> Plan  (pure)

@@ -17,12 +17,14 @@
     │   └── IdempotencyKeyMismatch    422 (code idempotency_key_mismatch)
     ├── PayloadTooLarge               413 (code request_too_large)
     ├── NoCapacity                    503 service_unavailable (Retry-After)
+    │   ├── Overloaded                503 (code overloaded: shed, or every pool busy; Retry-After)
     │   ├── IdempotencyStoreUnavailable   503 (code idempotency_store_unavailable)
     │   └── OverrideStoreUnavailable      503 (code override_store_unavailable: an admin change not stored)
     └── UpstreamError                 502 upstream_error (an attempt failed before the commit point)
         ├── UpstreamConnectError      502 (the connection broke; retryable)
         │   └── UpstreamUnreachable   502 (connect refused / connect timeout; the endpoint leaves rotation)
         ├── UpstreamResponseTooLarge  502 (the response went past a limit; not retried)
+        ├── UpstreamPoolFull          503 (no free pooled connection in time: back-pressure, never a health mark)
         └── UpstreamTimeout           504 (no first byte in time; retryable)
 
 Errors from the upstream that carry their own status (vLLM's 400 for a prompt too long, say) are not raised:
@@ -35,6 +37,9 @@ from typing import Any, ClassVar
 
 
 class GatewayError(Exception):
+    """An error the gateway answers itself, before any response started: ``status``, the OpenAI ``type`` and
+    ``code``, and ``headers`` (Retry-After, ...). The module docstring shows the tree."""
+
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
@@ -137,6 +142,17 @@ class NoCapacity(GatewayError):
         self.headers.setdefault("retry-after", str(retry_after_s))
 
 
+class Overloaded(NoCapacity):
+    """Back-pressure answered to the client: a request shed by admission control, or every pool it could go to
+    busy (queueing, full, or saying so with 429/503). Not a failure of the fleet: the client may retry later."""
+
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, reason: str = "admission", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.reason = reason  # admission (never sent) or busy (every attempt met back-pressure)
+
+
 class IdempotencyStoreUnavailable(NoCapacity):
     default_code = "idempotency_store_unavailable"
 
@@ -172,6 +188,13 @@ class UpstreamResponseTooLarge(UpstreamError):
     def __init__(self, message: str, *, limit: str) -> None:
         super().__init__(message)
         self.limit = limit  # the limit's name in specgate_limit_refusals_total
+class UpstreamPoolFull(UpstreamError):
+    """Every pooled connection to the endpoint stayed busy until the first-byte deadline: the endpoint is busy,
+    not broken (back-pressure; ``gateway.routing.attempts``)."""
+
+    status = 503
+    default_code = "upstream_busy"
+    retryable = True
 
 
 class UpstreamTimeout(UpstreamError):

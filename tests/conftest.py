@@ -214,3 +214,44 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+# Tests skip when an external tool is missing; the end of the run names them and how to install them, since a green
+# run with fifty skips looks the same as a full one. (A reason names the tool; the first match counts.)
+MISSING_TOOLS: tuple[tuple[str, str], ...] = (
+    ("helm", "tools/install-ci-tools.sh"),
+    ("promtool", "tools/install-ci-tools.sh"),
+    ("prometheus server", "tools/install-ci-tools.sh"),
+    ("redis-server", "apt-get install redis-server"),
+    ("chromium", "apt-get install chromium"),
+    ("playwright", "pip install -e '.[dev]'"),
+)
+
+
+def skipped_tools(reasons: list[str]) -> str | None:
+    """One line naming the missing tools that made tests skip, with how many and the command that installs each;
+    None when no test skipped for a missing tool."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        text = reason.lower()
+        for tool, _ in MISSING_TOOLS:
+            if tool in text:
+                counts[tool] = counts.get(tool, 0) + 1
+                break
+    if not counts:
+        return None
+    install = dict(MISSING_TOOLS)
+    commands = " and ".join(dict.fromkeys(install[t] for t in counts))
+    named = ", ".join(f"{tool}: {n}" for tool, n in counts.items())
+    return f"{sum(counts.values())} tests skipped for missing tools ({named}); install them with {commands}"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    reasons: list[str] = []
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            reasons.append(str(longrepr[2]))
+    line = skipped_tools(reasons)
+    if line is not None:
+        terminalreporter.write_line(line, yellow=True, bold=True)

@@ -40,7 +40,6 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,7 +52,7 @@ from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.admin.ui import ui_routes
 from gateway.errors import GatewayError, InvalidParameter, Unauthorized
-from gateway.proxy.app import _gateway_error, _http_error, _internal_error, _json, _parse_object, _read_body
+from gateway.proxy.http import exception_handlers, json_response, parse_object, read_request_body
 from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
 
@@ -97,14 +96,14 @@ class AdminAuth:
         exc = self._check(Headers(scope=scope).get("authorization"))
         if exc is not None:
             exc.headers["www-authenticate"] = 'Bearer realm="specgate-admin"'
-            response = _json(exc.envelope(), exc.status, exc.headers)
+            response = json_response(exc.envelope(), exc.status, exc.headers)
         elif self._digest is None and any(r.matches(scope)[0] == Match.FULL for r in self._changes):
             body = envelope(
                 f"the admin API refuses changes while no admin token is set: set {TOKEN_ENV} and restart",
                 "permission_error",
                 code="admin_token_not_set",
             )
-            response = _json(body, 403)
+            response = json_response(body, 403)
         if response is not None:
             await response(scope, receive, send)
             return
@@ -199,19 +198,19 @@ async def get_state(request: Request) -> Response:
         "default_ttl_s": admin.default_ttl_s,
         "max_ttl_s": admin.max_ttl_s,
     }
-    return _json(state)
+    return json_response(state)
 
 
 async def get_openapi(request: Request) -> Response:
     """The OpenAPI 3.1 description of this API (``gateway.admin.openapi``)."""
-    return _json(openapi())
+    return json_response(openapi())
 
 
 async def post_explain(request: Request) -> Response:
     rt = _runtime(request)
     path = request.query_params.get("path", DEFAULT_PATH)
-    body = _parse_object(await _read_body(request, rt.settings.max_body_bytes))
-    return _json(explain(rt, path, body, request.headers))
+    body = parse_object(await read_request_body(request, rt.settings.max_body_bytes))
+    return json_response(explain(rt, path, body, request.headers))
 
 
 def _query_number(request: Request, name: str) -> float | None:
@@ -235,7 +234,7 @@ async def get_audit(request: Request) -> Response:
         raise InvalidParameter(f"'limit' must be an integer in 1..{MAX_AUDIT_LIMIT}", param="limit")
     since = _query_number(request, "since")
     records, size, total = await overrides.audit(100 if limit is None else int(limit), since)
-    return _json(
+    return json_response(
         {
             "records": [r.as_dict() for r in records],
             "size": size,
@@ -251,7 +250,7 @@ async def post_reload(request: Request) -> Response:
     r = await rt.reload("admin", actor_of(request))
     body = r.as_dict()
     if r.result in ("ok", "unchanged"):
-        return _json(body)
+        return json_response(body)
     if r.result == "invalid":
         err = envelope(
             r.error_message(),
@@ -260,15 +259,15 @@ async def post_reload(request: Request) -> Response:
             code="invalid_config",
         )
         err["error"]["errors"] = body["errors"]  # every path-named error: [{path, line, message}, ...]
-        return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 422)
+        return json_response({**err, "result": r.result, "version": r.version, "hash": r.hash}, 422)
     err = envelope(r.message, "internal_error", code="config_reload_failed")
-    return _json({**err, "result": r.result, "version": r.version, "hash": r.hash}, 500)
+    return json_response({**err, "result": r.result, "version": r.version, "hash": r.hash}, 500)
 
 
 async def get_config(request: Request) -> Response:
     """The routing YAML in force: where it came from, its version and hash, when it was loaded, its text."""
     live = _runtime(request).live
-    return _json(
+    return json_response(
         {
             "source": live.source,
             "version": live.rules.version,
@@ -309,11 +308,7 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
     app = Starlette(
         routes=routes + changes + public,
         middleware=[Middleware(AdminAuth, token=token, changes=changes, public=public)],
-        exception_handlers={
-            GatewayError: _gateway_error,
-            HTTPException: _http_error,
-            Exception: _internal_error,
-        },
+        exception_handlers=exception_handlers(),
     )
     app.state.runtime = runtime
     app.state.changes_allowed = token is not None

@@ -29,7 +29,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.admin.protocol import ACTOR_HEADER
 from gateway.errors import InvalidParameter, NotFound
 from gateway.overrides.manager import Kind, Override, parse_reason, parse_ttl, parse_weight
-from gateway.proxy.app import _json, _parse_object, _read_body
+from gateway.proxy.http import json_response, parse_object, read_request_body
 from gateway.runtime.container import Runtime
 
 MAX_BODY = 16 * 1024
@@ -49,7 +49,7 @@ def actor_of(request: Request) -> str:
 
 
 async def _body(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
-    body = _parse_object(await _read_body(request, MAX_BODY))
+    body = parse_object(await read_request_body(request, MAX_BODY))
     for key in body:
         if key not in allowed:
             raise InvalidParameter(f"unknown field {key!r}; expected {', '.join(sorted(allowed))}", param=key)
@@ -71,7 +71,7 @@ def _pool(rt: Runtime, request: Request) -> str:
 
 async def _set(rt: Runtime, o: Override) -> Response:
     stored, old = await rt.overrides.put(o)
-    return _json({"override": stored.as_dict(), "replaced": None if old is None else old.as_dict()})
+    return json_response({"override": stored.as_dict(), "replaced": None if old is None else old.as_dict()})
 
 
 async def _weight(request: Request, kind: Kind, endpoint: str | None) -> Response:
@@ -117,7 +117,7 @@ async def post_undrain(request: Request) -> Response:
     removed = await rt.overrides.remove(
         lambda o: o.kind == "drain" and o.pool == pool, actor=actor_of(request), reason=reason, action="undrain"
     )
-    return _json({"removed": [o.as_dict() for o in removed]})
+    return json_response({"removed": [o.as_dict() for o in removed]})
 
 
 async def put_class_route(request: Request) -> Response:
@@ -138,7 +138,7 @@ async def put_class_route(request: Request) -> Response:
             reason=reason,
             action="class_route_auto",
         )
-        return _json({"removed": [o.as_dict() for o in removed]})
+        return json_response({"removed": [o.as_dict() for o in removed]})
     ttl_s = _ttl(rt, body)
     o = Override.create(
         "class_route", class_name=name, value=route, reason=reason, actor=actor_of(request), ttl_s=ttl_s
@@ -159,12 +159,12 @@ async def delete_override(request: Request) -> Response:
     )
     if not removed:  # expired or removed by someone else meanwhile
         raise missing
-    return _json({"removed": removed[0].as_dict()})
+    return json_response({"removed": removed[0].as_dict()})
 
 
 async def get_overrides(request: Request) -> Response:
     rt = _runtime(request)
-    return _json({"overrides": [o.as_dict() for o in rt.overrides.active()]})
+    return json_response({"overrides": [o.as_dict() for o in rt.overrides.active()]})
 
 
 def change_routes() -> list[BaseRoute]:

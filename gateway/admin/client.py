@@ -43,6 +43,8 @@ class AdminFailure(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Call:
+    """One admin API request: method, concrete path, the OpenAPI path template it instantiates, body and query."""
+
     method: str
     path: str  # the concrete path, segments percent-encoded
     template: str  # the OpenAPI path template it instantiates ("/admin/pools/{pool}/weight")
@@ -173,6 +175,9 @@ def _error(data: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class AdminClient:
+    """The admin API's HTTP client for the on-call commands: ``send`` a ``Call`` with the token and actor,
+    get its JSON answer or an ``AdminFailure`` that says what went wrong."""
+
     url: str
     token: str | None
     timeout_s: float = 10.0

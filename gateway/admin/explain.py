@@ -10,8 +10,11 @@ JSON-able dict::
     traffic_class   name, description, route (preferred / saturated / fallback / saturation), controlled
     controller      the class controller's snapshot (gateway.routing.route_state), or null for a static route
     choice          the controller's answer for this request (state, pick, share), or null
-    live            per candidate pool of the class: kind, endpoints, in-flight, scraped load (null = unknown)
-    plan            reason, steps (the attempts in order, within max_attempts), skipped pools, max_attempts
+    live            per candidate pool of the class: kind, endpoints, in-flight, scraped load (null = unknown), and
+                    admission: this process's bound (null: none), whether it admits one more, busy endpoints
+                    (``gateway.routing.overload``: a back-pressure failure moves a request only to one not busy)
+    plan            reason, steps (the attempts in order, within max_attempts), skipped pools, max_attempts, and
+                    shed: true when no planned pool admits the request now (the proxy would answer 503 overloaded)
     config          source and digest of the routing YAML in force
 
 While a class is split, ``choice.pick`` and the plan show one draw; ``choice.share`` is the chance of the other.
@@ -21,6 +24,7 @@ Bad input raises the same ``GatewayError`` the proxy would answer with.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from types import MappingProxyType
@@ -29,7 +33,9 @@ from typing import Any
 from gateway.admin.protocol import EXPLAIN_DEFAULT_PATH
 from gateway.config.schema import Route, TrafficClass
 from gateway.errors import InvalidParameter
+from gateway.fleet.pools import PoolState
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
 from gateway.routing.plan import Plan, is_saturated
@@ -117,8 +123,19 @@ def _live(rt: Runtime, live: LiveConfig, names: list[str], klass: TrafficClass |
         if klass is not None and name == klass.route.preferred:
             entry["saturated"] = is_saturated(klass.route, view)
         entry.update(load_numbers(loads.get(name)))
+        entry["admission"] = _admission(rt, pool)
         out[name] = entry
     return out
+
+
+def _admission(rt: Runtime, pool: PoolState) -> dict[str, Any]:
+    workers, now = rt.attempts.workers, time.monotonic()
+    limit = overload.admission_limit(pool.spec, sum(1 for e in pool.endpoints if e.routable), workers)
+    return {
+        "limit": limit,
+        "admits": rt.attempts.admits(pool),
+        "busy_endpoints": [e.id for e in pool.endpoints if overload.endpoint_busy(e, pool.spec, now, workers=workers)],
+    }
 
 
 def _step_reason(i: int, name: str, plan: Plan, klass: TrafficClass | None, round_: int) -> str:
@@ -195,6 +212,8 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             "steps": plan_steps(d.plan, live, klass, d.max_attempts),
             "skipped": [{"pool": p, "reason": why} for p, why in d.plan.skipped],
             "max_attempts": d.max_attempts,
+            "shed": bool(d.plan.pools)
+            and not any(rt.attempts.admits(live.pools[p]) for p in d.plan.pools if p in live.pools),
         },
         "config": {"source": live.source, "digest": live.digest},
         "stateful": _stateful(endpoint, body),

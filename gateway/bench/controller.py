@@ -7,9 +7,14 @@ scrape interval) are multiplied by ``--time-scale`` like the simulators' clocks,
 takes twenty minutes on real servers. While it runs it polls the gateway's ``/metrics`` every ``poll_s`` and
 records every change of each controlled class's state and speculative share.
 
-Reports: the transitions with their times since the start; per phase and class the requests, the share answered
-by the speculative pool, client-side p50/p95 latency and the class's acceptance rate over the phase (Δaccepted /
-Δdraft tokens of the gateway's per-class counters, i.e. vLLM's per-request spec-decode metrics).
+Reports: the transitions with their times since the start; per phase and class the requests, the errors, the
+requests shed (503/429 with ``Retry-After``: admission control), the share answered by the speculative pool,
+client-side p50/p95 latency of the answered ones and the class's acceptance rate over the phase (Δaccepted /
+Δdraft tokens of the gateway's per-class counters, i.e. vLLM's per-request spec-decode metrics); and the recovery
+after the busiest phase: p50/p95 of the requests sent in each 5 s after it ended.
+
+Each simulated pool's ``max_num_seqs`` is written into the gateway's copy of the YAML, so admission control is
+sized from it (``admission=False`` turns admission control off, for the comparison).
 """
 
 from __future__ import annotations
@@ -111,6 +116,19 @@ def scaled_rules(rules: dict[str, Any], time_scale: float) -> dict[str, Any]:
     return out
 
 
+def with_admission(rules: dict[str, Any], max_num_seqs: int, enabled: bool) -> dict[str, Any]:
+    """Every pool runs ``max_num_seqs`` at once (the simulators' batch), admission control on or off."""
+    out = dict(rules)
+    pools = []
+    for pool in out.get("pools", []):
+        p = dict(pool)
+        p["max_num_seqs"] = max_num_seqs
+        p["admission"] = {**(p.get("admission") or {}), "enabled": enabled}
+        pools.append(p)
+    out["pools"] = pools
+    return out
+
+
 @dataclass(slots=True)
 class Result:
     sent_at: float
@@ -120,6 +138,11 @@ class Result:
     latency_s: float
     traffic_class: str = ""
     pool: str = ""
+    shed: bool = False  # 429/503 with Retry-After: refused fast, as admission control does
+
+    @property
+    def error(self) -> bool:
+        return self.status != 200 and not self.shed
 
 
 @dataclass(slots=True)
@@ -220,6 +243,7 @@ async def _one(
                 time.monotonic() - start,
                 r.headers.get("x-specgate-class", ""),
                 r.headers.get("x-specgate-pool", ""),
+                shed=r.status in (429, 503) and "retry-after" in r.headers,
             )
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Result(start - t0, item.label, phase, 0, time.monotonic() - start, type(exc).__name__)
@@ -248,7 +272,8 @@ async def drive(
         tasks: list[asyncio.Task[Result]] = []
         next_at = 0.0
         for phase in phases:
-            await monitor.poll()
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):  # a busy gateway may not answer
+                await monitor.poll()
             run.boundaries[phase.name + "@start"] = _draft_counts(monitor.last_text)
             end = next_at + phase.duration_s
             while True:
@@ -265,7 +290,8 @@ async def drive(
             if delay > 0:
                 await asyncio.sleep(delay)
         run.results = list(await asyncio.gather(*tasks))
-        await monitor.poll()
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            await monitor.poll()
         run.boundaries["end"] = _draft_counts(monitor.last_text)
         stop.set()
         await mon
@@ -300,7 +326,7 @@ def render(run: Run, spec_pools: set[str]) -> str:
         changes.add_row(f"{c.at:.2f}", c.traffic_class, c.state, f"{c.share:.3g}", c.reason)
     console.print(changes)
     table = Table(title="per phase and class")
-    for col in ("phase", "class", "requests", "errors", "on speculative", "p50 s", "p95 s", "acceptance rate"):
+    for col in ("phase", "class", "requests", "errors", "shed", "on speculative", "p50 s", "p95 s", "acceptance rate"):
         table.add_column(col, justify="right" if col not in ("phase", "class") else "left")
     names = [p.name for p in run.phases]
     keys = [k for k in run.boundaries if k.endswith("@start")]
@@ -320,14 +346,45 @@ def render(run: Run, spec_pools: set[str]) -> str:
                 phase,
                 cls,
                 str(len(mine)),
-                str(len(mine) - len(ok)),
+                str(sum(1 for r in mine if r.error)),
+                str(sum(1 for r in mine if r.shed)),
                 f"{on_spec / len(ok):.0%}" if ok else "-",
                 f"{_pct(lat, 0.5):.3f}",
                 f"{_pct(lat, 0.95):.3f}",
                 acc,
             )
     console.print(table)
+    console.print(recovery_table(run))
     return buf.getvalue()
+
+
+def recovery_table(run: Run, bin_s: float = 5.0) -> Any:
+    """After the busiest phase: the answered requests sent in each ``bin_s`` seconds, their p50/p95 latency, and
+    the shed and failed ones (the time it takes latency to come back once the load step ends)."""
+    from rich.table import Table
+
+    table = Table(title="after the busiest phase (by send time)")
+    for col in ("seconds after it", "requests", "shed", "errors", "p50 s", "p95 s"):
+        table.add_column(col, justify="right")
+    if not run.phases:
+        return table
+    busiest = max(range(len(run.phases)), key=lambda i: run.phases[i].rate)
+    end = sum(p.duration_s for p in run.phases[: busiest + 1])
+    total = sum(p.duration_s for p in run.phases)
+    t = end
+    while t < total - 1e-9:
+        mine = [r for r in run.results if t <= r.sent_at < t + bin_s]
+        lat = [r.latency_s for r in mine if r.status == 200]
+        table.add_row(
+            f"{t - end:g}-{min(t + bin_s, total) - end:g}",
+            str(len(mine)),
+            str(sum(1 for r in mine if r.shed)),
+            str(sum(1 for r in mine if r.error)),
+            f"{_pct(lat, 0.5):.3f}",
+            f"{_pct(lat, 0.95):.3f}",
+        )
+        t += bin_s
+    return table
 
 
 def bench_controller(
@@ -338,6 +395,7 @@ def bench_controller(
     max_num_seqs: int = 4,
     output_len: int = 200,
     max_tokens: int = 256,
+    admission: bool = True,
 ) -> tuple[Run, set[str]]:
     """Start simulated pools and the gateway, drive the phases, stop everything; the run and the speculative
     pools' names."""
@@ -352,7 +410,8 @@ def bench_controller(
             for s in stand_ins:
                 wait_for_port(s.port)
             path = Path(tmp) / "rules.yaml"
-            path.write_text(yaml.safe_dump(scaled_rules(stand_in_rules(rules, ports), time_scale), sort_keys=False))
+            gw_rules = with_admission(scaled_rules(stand_in_rules(rules, ports), time_scale), max_num_seqs, admission)
+            path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
             port = free_port()
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "warning", "--admin-port", "0"]

@@ -20,7 +20,6 @@ from typing import Annotated, Any
 import httpx
 import orjson
 import typer
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -28,7 +27,8 @@ from rich.table import Table
 from gateway.admin import client as ac
 from gateway.admin.client import Call
 from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, EXPLAIN_DEFAULT_PATH, TOKEN_ENV, URL_ENV
-from gateway.cli.render import _fmt, render
+from gateway.cli.render import cell, render
+from gateway.cli.tables import Column, fit_table
 
 
 def _fail(err: Console, message: str, code: int) -> typer.Exit:
@@ -166,25 +166,34 @@ def _run(
     _dump(data) if as_json else show(data)
 
 
-def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in columns:
-        t.add_column(col, justify="right" if col in right else "left", overflow="fold")
-    return t
+OVERRIDE_COLUMNS = (
+    Column("id"),
+    Column("kind", drop=3),  # what target and value say again
+    Column("target"),
+    Column("value"),
+    Column("expires", drop=1),
+    Column("actor", drop=2),
+    Column("reason", "text"),
+)
 
 
-def _overrides_table(overrides: list[dict[str, Any]], title: str) -> Table:
-    t = _table(title, ["id", "kind", "target", "value", "expires", "actor", "reason"])
-    for o in overrides:
-        cells = (
-            o.get("id"),
-            o.get("kind"),
-            ac.describe_target(o),
-            ac.describe_value(o),
-            ac.expires_text(o.get("expires_at")),
-        )
-        t.add_row(*(escape(str(c)) for c in (*cells, o.get("actor", "–"), o.get("reason", ""))))
-    return t
+def _overrides_table(overrides: list[dict[str, Any]], title: str, width: int) -> Table:
+    rows = [
+        [
+            escape(str(c))
+            for c in (
+                o.get("id"),
+                o.get("kind"),
+                ac.describe_target(o),
+                ac.describe_value(o),
+                ac.expires_text(o.get("expires_at")),
+                o.get("actor", "–"),
+                o.get("reason", ""),
+            )
+        ]
+        for o in overrides
+    ]
+    return fit_table(title, OVERRIDE_COLUMNS, rows, width)
 
 
 def _print_change(data: dict[str, Any]) -> None:
@@ -200,47 +209,68 @@ def _print_change(data: dict[str, Any]) -> None:
         if not removed:
             out.print("nothing to remove: no such override was active", highlight=False)
         else:
-            out.print(_overrides_table(removed, f"removed {len(removed)} override(s)"))
-
-
-def _yes(value: Any) -> str:
-    return "–" if value is None else ("yes" if value else "[bold red]no[/]")
+            out.print(_overrides_table(removed, f"removed {len(removed)} override(s)", out.width))
 
 
 def pools_command(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False, timeout: TimeoutOption = 10.0) -> None:
     _run(url, timeout, lambda: ac.get_call("/admin/state"), as_json, _print_pools)
 
 
-POOL_COLUMNS = ["pool", "kind", "endpoint", "healthy", "weight", "effective", "in-flight", "queue", "batch", "accept"]
+# The endpoint's state says healthy, down (failed its health check), ejected (passive outlier detection) or
+# drained (its pool); the weight, the configured one and, when an override changed it, the effective one (1→0).
+POOL_COLUMNS = (
+    Column("pool"),
+    Column("kind", drop=4),
+    Column("endpoint"),
+    Column("state"),
+    Column("weight", "number"),
+    Column("in-flight", "number"),
+    Column("queue", "number", drop=2),
+    Column("batch", "number", drop=3),
+    Column("accept", "number", drop=1),
+)
+
+
+def endpoint_state(pool: dict[str, Any], endpoint: dict[str, Any]) -> str:
+    """``ok``, or what keeps the endpoint from new requests: ``drained``, ``down``, ``ejected`` (comma-separated);
+    ``–`` unknown."""
+    drained = pool.get("drained") or any(o.get("kind") == "drain" for o in pool.get("overrides") or [])
+    healthy, out = endpoint.get("healthy"), ac.ejected(endpoint)
+    flags = [name for name, on in (("drained", drained), ("down", healthy is False), ("ejected", out)) if on]
+    if flags:
+        return "[bold red]" + ",".join(flags) + "[/]"
+    return "–" if healthy is None else "ok"
+
+
+def weight_text(endpoint: dict[str, Any]) -> str:
+    configured = ac.number_text(endpoint.get("configured_weight", endpoint.get("weight")))
+    effective = ac.number_text(endpoint.get("effective_weight"))
+    return configured if effective in ("–", configured) else f"{configured}→{effective}"
 
 
 def _print_pools(data: dict[str, Any]) -> None:
-    numbers = ("weight", "effective", "in-flight", "queue", "batch", "accept")
-    t = _table("pools (– unknown)", [*POOL_COLUMNS, "ejected"], right=numbers)
+    rows: list[list[str]] = []
     for name, p in (data.get("pools") or {}).items():
         p = p if isinstance(p, dict) else {}
         pool_cells = (
-            _fmt(p.get("waiting"), digits=0),
-            _fmt(p.get("running"), digits=0),
-            _fmt(p.get("acceptance_rate")),
+            cell(p.get("waiting"), digits=0),
+            cell(p.get("running"), digits=0),
+            cell(p.get("acceptance_rate")),
         )
-        drained = p.get("drained") or any(o.get("kind") == "drain" for o in p.get("overrides") or [])
-        kind = escape(str(p.get("kind", "–"))) + (" [bold](drained)[/]" if drained else "")
         for e in p.get("endpoints") or [{}]:
-            configured = e.get("configured_weight", e.get("weight"))
-            t.add_row(
-                escape(name),
-                kind,
-                escape(str(e.get("id", "–"))),
-                _yes(e.get("healthy")),
-                ac.number_text(configured),
-                ac.number_text(e.get("effective_weight")),
-                _fmt(e.get("in_flight", p.get("in_flight")), digits=0),
-                *pool_cells,
-                {None: "–", True: "[bold red]yes[/]", False: "no"}[ac.ejected(e)],
+            rows.append(
+                [
+                    escape(name),
+                    escape(str(p.get("kind", "–"))),
+                    escape(str(e.get("id", "–"))),
+                    endpoint_state(p, e),
+                    weight_text(e),
+                    cell(e.get("in_flight", p.get("in_flight")), digits=0),
+                    *pool_cells,
+                ]
             )
     out = Console()
-    out.print(t)
+    out.print(fit_table("pools (– unknown)", POOL_COLUMNS, rows, out.width))
     cfg = data.get("config") or {}
     version = f"version {cfg['version']}, " if cfg.get("version") is not None else ""
     digest = cfg.get("hash", cfg.get("digest"))
@@ -317,7 +347,8 @@ def _print_overrides(data: dict[str, Any]) -> None:
     if not active:
         Console().print("no active overrides", highlight=False)
         return
-    Console().print(_overrides_table(active, f"{len(active)} active override(s)"))
+    out = Console()
+    out.print(_overrides_table(active, f"{len(active)} active override(s)", out.width))
 
 
 def audit_command(
@@ -338,20 +369,29 @@ def audit_command(
     )
 
 
+AUDIT_COLUMNS = (
+    Column("time"),
+    Column("actor", drop=2),
+    Column("action"),
+    Column("target"),
+    Column("reason", "text"),
+    Column("detail", "text", drop=1),
+)
+
+
 def _print_audit(data: dict[str, Any]) -> None:
     records = data.get("records") or []
-    t = _table(
-        f"audit ({len(records)} of {data.get('total', '–')} records, newest last)",
-        ["time", "actor", "action", "target", "reason", "detail"],
-    )
-    for r in records:
-        detail = r.get("detail")
-        t.add_row(
-            ac.local_time(r.get("at")),
+    rows = [
+        [
+            ac.local_time(r.get("at"))[5:],  # the year goes: the audit keeps weeks, not years
             *(escape(str(r.get(k, "–"))) for k in ("actor", "action", "target", "reason")),
-            escape(ac.detail_text(detail)),
-        )
-    Console().print(t)
+            escape(ac.detail_text(r.get("detail"))),
+        ]
+        for r in records
+    ]
+    out = Console()
+    title = f"audit ({len(records)} of {data.get('total', '–')} records, newest last)"
+    out.print(fit_table(title, AUDIT_COLUMNS, rows, out.width))
 
 
 def reload_command(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False, timeout: TimeoutOption = 30.0) -> None:
@@ -366,7 +406,8 @@ def _print_reload(data: dict[str, Any]) -> None:
     out.print(f"[{style}]{escape(result)}[/]: {escape(text)}", highlight=False)
     dropped = data.get("dropped_overrides") or []
     if dropped:
-        out.print(_overrides_table(dropped, f"dropped {len(dropped)} override(s): their pool or class is gone"))
+        title = f"dropped {len(dropped)} override(s): their pool or class is gone"
+        out.print(_overrides_table(dropped, title, out.width))
 
 
 COMMANDS: dict[str, tuple[Callable[..., None], str]] = {

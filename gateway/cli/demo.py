@@ -2,26 +2,43 @@
 
 The routing YAML is used as it is, except that every pool's endpoints are replaced by a local ``specgate sim``
 server (the 70B preset; speculative pools run with the ``--speculative-config`` their YAML block describes).
-The simulated servers are child processes, stopped with the gateway.
+The simulated servers are child processes, stopped with the gateway. Without ``SPECGATE_ADMIN_TOKEN`` set, the demo
+makes one up for its admin listener and prints the ``export`` lines that let ``specgate pools``, ``specgate weight``
+and the other on-call commands work from another shell at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import signal
 import subprocess
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gateway.admin.protocol import TOKEN_ENV, URL_ENV
 from gateway.config.settings import Settings
 from gateway.sim.launch import PRESET, free_port, plan_stand_ins, stand_in_rules, wait_for_port
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def demo_admin_token(environ: MutableMapping[str, str]) -> tuple[str, bool]:
+    """The demo's admin token: ``SPECGATE_ADMIN_TOKEN`` when set, else a new random one, put into ``environ`` for
+    the gateway's admin listener (which reads it there). Returns the token and whether it was made here."""
+    given = environ.get(TOKEN_ENV, "").strip()
+    if given:
+        return given, False
+    token = secrets.token_urlsafe(24)
+    environ[TOKEN_ENV] = token
+    return token, True
 
 
 def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
@@ -43,7 +60,8 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(stand_in_rules(rules, ports), sort_keys=False))
             admin_port = port + 1 if port < 65535 else port - 1
-            print(_banner(rules, ports, port, admin_port), flush=True)
+            token, generated = demo_admin_token(os.environ)
+            print(banner(rules, ports, port, admin_port, token if generated else None), flush=True)
             settings = Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0, admin_port=admin_port)
             run_server(settings)
         finally:
@@ -54,9 +72,17 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                     proc.wait(timeout=5)
 
 
-def _banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int) -> str:
+def banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int, new_token: str | None) -> str:
+    """What the demo prints before it serves. ``new_token``: the admin token the demo made up, shown in an
+    ``export`` line (None: the user's own ``SPECGATE_ADMIN_TOKEN``, never printed)."""
     model = rules["pools"][0]["models"][0]
     pools = ", ".join(f"{p['name']} ({p.get('kind')}) on :{ports[p['name']]}" for p in rules["pools"])
+    pool = rules["pools"][0]["name"]
+    admin_url = f"http://127.0.0.1:{admin_port}"
+    if new_token is not None:
+        token_line = f"  export {TOKEN_ENV}={new_token}   # made up for this demo"
+    else:
+        token_line = f"  # {TOKEN_ENV}: yours, from the environment"
     return f"""
 specgate demo — gateway on http://127.0.0.1:{port}/v1
 simulated vLLM servers ({PRESET}): {pools}
@@ -71,11 +97,15 @@ simulated vLLM servers ({PRESET}): {pools}
         messages=[{{"role": "user", "content": "Tell me a story"}}])
   print(r.headers["x-specgate-class"], r.headers["x-specgate-pool"], r.parse().choices[0].message.content)
 
-Why a request goes where it goes (admin API on http://127.0.0.1:{admin_port}/admin, read-only without a token):
+On-call commands, from another shell (admin API on {admin_url}/admin):
 
+  export {URL_ENV}={admin_url}
+{token_line}
+  specgate pools
+  specgate weight {pool} 0.5 --reason "trying the demo" --ttl 10m
   echo '{{"model": "{model}", "temperature": 0.2,
          "messages": [{{"role": "user", "content": "Write a Python function that reverses a list."}}]}}' \\
-    | specgate explain - --url http://127.0.0.1:{admin_port}
+    | specgate explain -
 
 Ctrl-C stops the gateway and the simulated servers.
 """

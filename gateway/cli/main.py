@@ -122,6 +122,14 @@ def serve(
             "--no-cluster: each replica on its own.",
         ),
     ] = True,
+    per_worker_state: Annotated[
+        bool,
+        typer.Option(
+            "--per-worker-state",
+            envvar="SPECGATE_PER_WORKER_STATE",
+            help="Accept --workers N without Redis: each worker keeps its own idempotency records and overrides.",
+        ),
+    ] = False,
 ) -> None:
     """Start the gateway."""
     try:
@@ -146,6 +154,7 @@ def serve(
             admin_port=admin_port,
             redis_url=redis_url or None,
             cluster=cluster,
+            per_worker_state=per_worker_state,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
@@ -262,9 +271,12 @@ def bench_controller_cmd(
     time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.05,
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 4,
     output_len: Annotated[int, typer.Option(help="Median answer length of the simulated servers (tokens).")] = 200,
+    admission: Annotated[
+        bool, typer.Option(help="Admission control (load shedding) sized from the simulators' max_num_seqs.")
+    ] = True,
 ) -> None:
-    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions and
-    per-class acceptance."""
+    """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions,
+    per-class acceptance, shed requests and the recovery after the step."""
     from gateway.bench.controller import bench_controller, parse_phases, render
 
     try:
@@ -274,6 +286,7 @@ def bench_controller_cmd(
             time_scale=time_scale,
             max_num_seqs=max_num_seqs,
             output_len=output_len,
+            admission=admission,
         )
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
@@ -296,6 +309,45 @@ def bench_cluster_cmd(
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print(render(run), highlight=False, soft_wrap=True)
+
+
+@bench_app.command("soak")
+def bench_soak_cmd(
+    rules: Annotated[Path, typer.Option(help="Routing YAML; its pools get simulated servers.")] = Path(
+        "routing_rules/default.yaml"
+    ),
+    streams: Annotated[int, typer.Option(help="Concurrent closed-loop streaming clients.")] = 1000,
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 600.0,
+    stall_share: Annotated[float, typer.Option(help="Share of requests whose client stops reading.")] = 0.01,
+    faults: Annotated[bool, typer.Option(help="Inject faults on the schedule (cut, hang, 503, restart).")] = True,
+    redis: Annotated[bool, typer.Option(help="Share state through a private redis-server, restarted mid-run.")] = False,
+    time_scale: Annotated[float, typer.Option(help="Simulator clock x this.")] = 0.05,
+    max_rss_growth: Annotated[float, typer.Option(help="Largest RSS growth after warm-up (fraction).")] = 0.10,
+) -> None:
+    """Many concurrent streams with faults on a schedule: RSS, fds, in-flight gauges and outcomes over time; exit 1
+    when a request was not counted exactly once, a gauge is not back to 0, RSS grew, or a busy endpoint was
+    ejected."""
+    from gateway.bench.soak import SoakConfig, run_soak
+
+    if streams < 1 or duration <= 0 or not 0 <= stall_share <= 1:
+        raise _fail("--streams must be >= 1, --duration > 0, --stall-share between 0 and 1")
+    cfg = SoakConfig(
+        rules=rules,
+        streams=streams,
+        duration_s=duration,
+        stall_share=stall_share,
+        faults=faults,
+        redis=redis,
+        time_scale=time_scale,
+        max_rss_growth=max_rss_growth,
+    )
+    try:
+        report = run_soak(cfg)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(report.render(), highlight=False, soft_wrap=True)
+    if report.problems:
+        raise typer.Exit(1)
 
 
 @bench_app.command("classify")

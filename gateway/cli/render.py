@@ -1,6 +1,6 @@
 """Rendering a routing explanation (the admin API's ``/admin/explain`` answer) for the terminal: the header
-lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, and ``_fmt``,
-the table-cell number format the admin CLI's other tables share.
+lines (class, task, route, features, controller), the live-pools table, the attempt-plan table (both fitted to
+the terminal: ``gateway.cli.tables``), and ``cell``, the table-cell number format the admin CLI's tables share.
 """
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gateway.cli.tables import Column, fit_table
 
-def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+
+def cell(value: Any, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
     """A number for a table cell; '–' for unknown (null), never 0."""
     if value is None or isinstance(value, bool):
         return "–" if value is None else str(value).lower()
@@ -55,10 +56,10 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
         lines.append(
             "[bold]request[/] "
             + escape(
-                f"model {f.get('model')}, temperature {_fmt(f.get('temperature'))}, top_p {_fmt(f.get('top_p'))}, "
-                f"max_tokens {_fmt(f.get('max_tokens'), digits=0)}, stream {_fmt(f.get('stream'))}, "
+                f"model {f.get('model')}, temperature {cell(f.get('temperature'))}, top_p {cell(f.get('top_p'))}, "
+                f"max_tokens {cell(f.get('max_tokens'), digits=0)}, stream {cell(f.get('stream'))}, "
                 f"~{f.get('prompt_tokens')} prompt tokens, response_format {f.get('response_format')}, "
-                f"tools {_fmt(f.get('tools'))}"
+                f"tools {cell(f.get('tools'))}"
             )
         )
     ctl, choice = data.get("controller"), data.get("choice")
@@ -66,7 +67,7 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
         share = (choice or {}).get("share", ctl.get("share"))
         text = f"state {ctl.get('state')}"
         if share is not None:
-            text += f", speculative share {_fmt(share)}"
+            text += f", speculative share {cell(share)}"
         if ctl.get("last_reason"):
             text += f", last change: {ctl['last_reason']}"
         if ctl.get("holding"):
@@ -81,9 +82,9 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             lines.append(
                 "[bold]last observation[/] "
                 + escape(
-                    f"expected delay speculative {_fmt(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
-                    f"{_fmt(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
-                    f"{_fmt(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
+                    f"expected delay speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
+                    f"{cell(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
+                    f"{cell(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
                 )
             )
     elif tc.get("route") is not None:
@@ -91,56 +92,69 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _live_table(data: dict[str, Any]) -> Table:
+LIVE_COLUMNS = (
+    Column("pool"),
+    Column("role"),
+    Column("eps", "number"),
+    Column("in-flt", "number"),
+    Column("run", "number", drop=3),
+    Column("wait", "number"),
+    Column("KV", "number", drop=4),
+    Column("TPOT", "number", drop=2),
+    Column("accept", "number"),
+    Column("len", "number", drop=1),
+)
+
+
+def _live_table(data: dict[str, Any], width: int) -> Table:
     roles = _roles((data.get("traffic_class") or {}).get("route"))
-    t = Table(title="live pools (– unknown)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("pool", "role", "eps", "in-flt", "run", "wait", "KV", "TPOT", "accept", "len"):
-        t.add_column(col, justify="left" if col in ("pool", "role") else "right", no_wrap=True)
+    rows: list[list[str]] = []
     for name, p in (data.get("live") or {}).items():
         if not p.get("known"):
-            t.add_row(escape(name), roles.get(name, ""), *["–"] * 8)
+            rows.append([escape(name), roles.get(name, ""), *["–"] * 8])
             continue
-        t.add_row(
-            escape(name),
-            roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
-            f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
-            _fmt(p.get("in_flight"), digits=0),
-            _fmt(p.get("running"), digits=0),
-            _fmt(p.get("waiting"), digits=0),
-            _fmt(p.get("kv_usage"), "%", 100, 0),
-            _fmt(p.get("tpot_mean_s"), "ms", 1000, 1),
-            _fmt(p.get("acceptance_rate")),
-            _fmt(p.get("mean_acceptance_length")),
+        rows.append(
+            [
+                escape(name),
+                roles.get(name, "") + (" [bold](saturated)[/]" if p.get("saturated") else ""),
+                f"{p.get('routable_endpoints')}/{p.get('endpoints')}",
+                cell(p.get("in_flight"), digits=0),
+                cell(p.get("running"), digits=0),
+                cell(p.get("waiting"), digits=0),
+                cell(p.get("kv_usage"), "%", 100, 0),
+                cell(p.get("tpot_mean_s"), "ms", 1000, 1),
+                cell(p.get("acceptance_rate")),
+                cell(p.get("mean_acceptance_length")),
+            ]
         )
-    return t
+    return fit_table("live pools (– unknown)", LIVE_COLUMNS, rows, width)
 
 
-def _plan_table(plan: dict[str, Any]) -> Table:
-    t = Table(
-        title=f"plan (max {plan.get('max_attempts')} attempts)",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-    )
-    for col in ("attempt", "pool", "kind", "why"):
-        t.add_column(col, justify="right" if col == "attempt" else "left")
-    for s in plan.get("steps") or []:
-        t.add_row(str(s.get("attempt")), escape(str(s.get("pool"))), escape(str(s.get("kind"))), escape(s["reason"]))
-    for s in plan.get("skipped") or []:
-        t.add_row("–", escape(str(s.get("pool"))), "", f"[dim]skipped: {escape(str(s.get('reason')))}[/]")
-    return t
+PLAN_COLUMNS = (Column("attempt", "number"), Column("pool"), Column("kind"), Column("why", "text"))
+
+
+def _plan_table(plan: dict[str, Any], width: int) -> Table:
+    rows = [
+        [str(s.get("attempt")), escape(str(s.get("pool"))), escape(str(s.get("kind"))), escape(s["reason"])]
+        for s in plan.get("steps") or []
+    ]
+    rows += [
+        ["–", escape(str(s.get("pool"))), "", f"[dim]skipped: {escape(str(s.get('reason')))}[/]"]
+        for s in plan.get("skipped") or []
+    ]
+    return fit_table(f"plan (max {plan.get('max_attempts')} attempts)", PLAN_COLUMNS, rows, width)
 
 
 def render(data: dict[str, Any], out: Console) -> None:
     for line in _header_lines(data):
         out.print(line, highlight=False, soft_wrap=True)
-    out.print(_live_table(data))
+    out.print(_live_table(data, out.width))
     live = data.get("live") or {}
     stale = [name for name, p in live.items() if p.get("known") and p.get("stale")]
     if stale:
         out.print(f"[dim]stale (no fresh scrape): {escape(', '.join(stale))}[/]", highlight=False, soft_wrap=True)
     plan = data.get("plan") or {}
-    out.print(_plan_table(plan))
+    out.print(_plan_table(plan, out.width))
     if len(plan.get("steps") or []) > 1:
         out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
     if plan.get("empty"):

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
 
 from gateway.admin.app import create_admin_app
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
 from gateway.proxy.limits import head_limits, http_protocol
+from gateway.proxy.app import GatewayApp
 
 logger = logging.getLogger("specgate")
 
@@ -76,6 +76,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 @dataclass(slots=True)
 class Listeners:
+    """The uvicorn servers of a one-worker gateway: the client listener and, unless ``--admin-port 0``, the
+    admin listener on its own socket, served in one event loop."""
+
     main: uvicorn.Server
     admin: AdminServer | None = None
     admin_socket: socket.socket | None = None
@@ -108,7 +111,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def build_listeners(
-    application: Starlette, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    application: GatewayApp, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> Listeners:
     """The servers of a one-worker gateway. ``common``: uvicorn.Config arguments shared by both (host and port are
     the main listener's). Binds the admin socket now, so that a port in use fails before anything serves.
@@ -148,6 +151,11 @@ def run_server(settings: Settings) -> None:
     from gateway.proxy.app import create_app, tune_gc
 
     configure_logging(settings.log_level)
+    problem = settings.shared_state_problem()
+    if problem is not None:
+        raise _fail(problem)
+    if settings.workers > 1 and settings.redis_url is None:
+        logger.warning("--per-worker-state: %d workers, each with its own idempotency records", settings.workers)
     try:
         application = create_app(settings)  # validates the YAML and the key file before listening
     except RulesError as exc:

@@ -362,6 +362,22 @@ class Endpoint(_Strict):
         return f"{parts.hostname}:{port}"
 
 
+class Admission(_Strict):
+    """Admission control of one pool (``gateway.routing.overload``): the gateway admits at most
+    routable endpoints x (``max_num_seqs`` + ``max_waiting_per_endpoint``) requests in flight to the pool; a request
+    beyond that goes to another planned pool with room, or is answered 503 ``overloaded`` with ``Retry-After`` at
+    once, so overload waits in one bounded, visible place instead of piling up timeouts."""
+
+    enabled: bool = Field(True, description="Shed beyond the bound (needs the pool's max_num_seqs).")
+    max_waiting_per_endpoint: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="Requests per routable endpoint admitted beyond max_num_seqs (they wait in vLLM's queue or for "
+        "a connection); default max_num_seqs / 2 (at least 1).",
+    )
+
+
 class Pool(_Strict):
     name: Name
     kind: PoolKind
@@ -386,6 +402,14 @@ class Pool(_Strict):
         ge=1024,
         description="Largest single server-sent event of a stream; past it the stream fails as above.",
     )
+    max_num_seqs: int | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="What each endpoint's vLLM runs at once (its --max-num-seqs): sizes admission control and tells "
+        "a busy endpoint from a broken one. Unset: no admission bound for the pool.",
+    )
+    admission: Admission = Field(default_factory=Admission, description="Admission control (load shedding).")
 
     @model_validator(mode="after")
     def _kind_matches(self) -> Pool:
@@ -393,6 +417,8 @@ class Pool(_Strict):
             raise ValueError("a speculative pool needs a `speculative` block (method, num_speculative_tokens)")
         if self.kind == "standard" and self.speculative is not None:
             raise ValueError("a standard pool must not have a `speculative` block")
+        if self.admission.max_waiting_per_endpoint is not None and self.max_num_seqs is None:
+            raise ValueError("admission.max_waiting_per_endpoint needs the pool's max_num_seqs (the bound adds to it)")
         return self
 
 
@@ -495,6 +521,22 @@ class Scrape(_Strict):
         return self.stale_after_s if self.stale_after_s is not None else 3 * self.interval_s
 
 
+class Overload(_Strict):
+    """Overload handling (``gateway.routing.overload``, ``gateway.proxy.stall``): what a shed request is told, and
+    how long a client that reads nothing may hold a stream."""
+
+    retry_after_s: int = Field(
+        1, ge=1, le=3600, description="Retry-After (seconds) of a request shed or refused because every pool is busy."
+    )
+    client_send_timeout_s: Number = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A client that accepts no bytes for this long is cut off: its connection is closed, the upstream "
+        "request cancelled (a keyed one runs to its end and is stored), its connection slot freed.",
+    )
+
+
 class RoutingRules(_Strict):
     """The whole routing YAML."""
 
@@ -507,6 +549,7 @@ class RoutingRules(_Strict):
     scrape: Scrape = Field(default_factory=Scrape, description="Scraping of the endpoints' /metrics and /health.")
     idempotency: Idempotency = Field(default_factory=Idempotency, description="Idempotency-Key handling.")
     admin: Admin = Field(default_factory=Admin, description="On-call overrides through the admin API.")
+    overload: Overload = Field(default_factory=Overload, description="Load shedding and stalled clients.")
 
     def pool(self, name: str) -> Pool:
         for p in self.pools:

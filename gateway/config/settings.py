@@ -35,11 +35,24 @@ _INT_FIELDS = frozenset(
 
 
 class SettingsError(ValueError):
-    pass
+    """A setting out of range or malformed; its message names the setting."""
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """The process settings: every ``specgate serve`` flag, each with its ``SPECGATE_*`` variable
+    (``from_env``, ``to_env`` for the workers of ``--workers N``). Validated at construction (``SettingsError``);
+    immutable. Routing lives in the YAML at ``rules``, not here."""
+
     rules: Path
     host: str = "0.0.0.0"
     port: int = 8080
@@ -64,6 +77,9 @@ class Settings:
     # With Redis: the replicas elect a leader that scrapes and decides for all (gateway.cluster); False: each
     # replica scrapes and decides alone (overrides and Idempotency-Keys are still shared).
     cluster: bool = True
+    # --workers N without redis_url: each worker would keep its own Idempotency-Key records (the same key could run
+    # once per worker) and its own overrides. Refused at start-up unless this accepts it explicitly.
+    per_worker_state: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -113,6 +129,8 @@ class Settings:
                     if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                         raise ValueError("expected true or false")
                     kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
+                elif f.name == "per_worker_state":
+                    kw[f.name] = _flag(raw)
                 elif f.name == "api_keys_file":
                     kw[f.name] = Path(raw)
                 else:
@@ -128,6 +146,16 @@ class Settings:
             if v is not None:
                 out[ENV_PREFIX + f.name.upper()] = str(v)
         return out
+
+    def shared_state_problem(self) -> str | None:
+        """Why these settings must not start: several workers with nothing shared, not accepted explicitly."""
+        if self.workers > 1 and self.redis_url is None and not self.per_worker_state:
+            return (
+                f"--workers {self.workers} without SPECGATE_REDIS_URL (--redis-url): each worker would keep its own "
+                "Idempotency-Key records, so one key could run once per worker. Set SPECGATE_REDIS_URL, or accept "
+                "per-worker state with --per-worker-state (SPECGATE_PER_WORKER_STATE=1)"
+            )
+        return None
 
     def client_api_keys(self) -> frozenset[str]:
         """Client keys from SPECGATE_API_KEYS (comma-separated) and the keys file (one per line, # comments)."""

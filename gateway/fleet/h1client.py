@@ -13,8 +13,9 @@ connection's close; gzip and deflate bodies decoded (the gateway asks for ``iden
 ``MAX_HEAD_BYTES`` fails as soon as that many bytes arrived without its end (not when a header line completes),
 and ``read()`` (a buffered answer) fails past ``max_body_bytes``; ``ResponseTooLarge`` says which.
 No redirects, cookies, proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps
-(``gateway.fleet.upstream``): ``ConnectFailed`` (no connection could be made or had), ``ConnectionBroken``
-(the connection broke or the response was malformed) and ``TimeoutError`` (the request's total deadline passed).
+(``gateway.fleet.upstream``): ``ConnectFailed`` (no connection could be made; its ``PoolExhausted``: no free pooled
+one in time), ``ConnectionBroken`` (the connection broke or the response was malformed) and ``TimeoutError`` (the
+request's total deadline passed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ MAX_HEAD_BYTES = 2**16
 
 class ConnectFailed(OSError):
     """No connection to the endpoint: refused, unresolvable, connect timeout, or no free pooled one in time."""
+
+
+class PoolExhausted(ConnectFailed):
+    """Every connection of the pool stayed busy until the wait for one timed out: the endpoint is busy, not down."""
 
 
 class ConnectionBroken(ConnectionError):
@@ -456,7 +461,7 @@ class HostPool:
                 async with asyncio.timeout(self.acquire_s):
                     await self._slots.acquire()
             except TimeoutError:
-                raise ConnectFailed(f"no free connection (limit {self.limit}) within {self.acquire_s:g} s") from None
+                raise PoolExhausted(f"no free connection (limit {self.limit}) within {self.acquire_s:g} s") from None
         else:
             await self._slots.acquire()
         now = time.monotonic()

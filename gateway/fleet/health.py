@@ -23,6 +23,10 @@ logger = logging.getLogger("specgate.health")
 
 
 class HealthChecker:
+    """Checks every endpoint's ``GET /health`` on an interval (``run``), concurrently, on its own small
+    connection pool; a failed check takes the endpoint out of rotation, a passed one brings it back (and ends an
+    ejection that is over). ``rounds`` counts finished rounds (``/ready`` waits for the first)."""
+
     def __init__(
         self,
         pools: Callable[[], Iterable[PoolState]],

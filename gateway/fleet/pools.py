@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.config.schema import Pool as PoolSpec
@@ -25,6 +24,10 @@ from gateway.config.schema import Pool as PoolSpec
 
 @dataclass(slots=True)
 class EndpointState:
+    """One vLLM endpoint at run time: its effective and configured weight, health (active checks), in-flight
+    count, consecutive failures and ejection (passive outlier detection). Mutated in place by the attempt loop,
+    the health checker and overrides; kept across reloads while its pool, id and URL stay the same."""
+
     id: str
     url: str
     pool: str
@@ -40,6 +43,8 @@ class EndpointState:
     ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
     ejections: int = 0  # k: ejections in a row, for the growing ejection time
     last_ejected: float | None = None  # monotonic time of the last ejection
+    queue_waiting: float = 0.0  # vLLM's waiting requests at the last good scrape (gateway.fleet.scraper)
+    queue_fresh_until: float = 0.0  # monotonic; after this the scraped queue is unknown (stale), never read as 0
 
     def __post_init__(self) -> None:
         if self.configured_weight < 0:
@@ -59,6 +64,15 @@ class EndpointState:
         self.consecutive_failures += 1
         self.last_error = reason
         return self.consecutive_failures
+
+    def note_queue(self, waiting: float, fresh_until: float) -> None:
+        """A good scrape: vLLM's queue on this endpoint, valid until ``fresh_until``."""
+        self.queue_waiting = waiting
+        self.queue_fresh_until = fresh_until
+
+    def queueing(self, now: float) -> bool:
+        """The last fresh scrape saw requests waiting in vLLM's queue."""
+        return self.queue_waiting > 0 and now < self.queue_fresh_until
 
     def mark_success(self) -> None:
         self.consecutive_failures = 0
@@ -92,6 +106,9 @@ class EndpointState:
 
 @dataclass(slots=True)
 class PoolState:
+    """One pool at run time: its YAML spec, the models it serves, and its endpoints' state; ``pick`` chooses
+    an endpoint for an attempt (weighted power of two choices, least in-flight per weight)."""
+
     name: str
     spec: PoolSpec
     endpoints: list[EndpointState]
@@ -125,12 +142,3 @@ class PoolState:
         if a is b:
             return a
         return a if (a.in_flight + 1) / a.weight <= (b.in_flight + 1) / b.weight else b
-
-
-@contextmanager
-def in_flight(ep: EndpointState) -> Iterator[None]:
-    ep.in_flight += 1
-    try:
-        yield
-    finally:
-        ep.in_flight -= 1

@@ -160,6 +160,7 @@ class Scraper:
                 result = "malformed"
             else:
                 was_failed = load.failed
+                ep.note_queue(sample.waiting, at + cfg.stale_after)
                 if load.record(sample, at, in_flight):
                     logger.info("counters of %s/%s went down: restart assumed, new baseline", ep.pool, ep.id)
                 if was_failed:

@@ -5,7 +5,8 @@ Why not httpx's default transport: on this class of machine its connection pool 
 req/s at 32 connections through a minimal pass-through proxy, against 5k+ on aiohttp's). Why not aiohttp's client,
 which does not collapse: it was still a third of the gateway's CPU per request (``gateway.fleet.h1client`` says
 where). The proxy needs only POST with a body of known length and the response as bytes; everything above this
-module sees plain bytes, statuses and our own errors.
+module sees plain bytes, statuses and our own errors. The client fails with ``OSError`` (``h1client.ConnectionBroken``,
+``ConnectFailed``) or ``TimeoutError``, nothing else.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
-
 from gateway.config.schema import Pool as PoolSpec
-from gateway.errors import UpstreamConnectError, UpstreamResponseTooLarge, UpstreamTimeout, UpstreamUnreachable
-from gateway.fleet.h1client import ConnectFailed, HostPool, ResponseTooLarge
+from gateway.errors import (
+    UpstreamConnectError,
+    UpstreamPoolFull,
+    UpstreamResponseTooLarge,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from gateway.fleet.h1client import ConnectFailed, HostPool, PoolExhausted, ResponseTooLarge
 from gateway.fleet.pools import EndpointState
 
 
@@ -62,7 +67,7 @@ class UpstreamResponse:
             raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while reading the body") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamConnectError(f"upstream broke while sending the body: {_describe(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -74,7 +79,7 @@ class UpstreamResponse:
             raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             raise UpstreamConnectError(f"upstream connection broke: {_describe(exc)}") from exc
 
     @property
@@ -92,7 +97,7 @@ class UpstreamResponse:
             async with asyncio.timeout(timeout_s):
                 await self.raw.read()
             self.release()
-        except (aiohttp.ClientError, OSError, TimeoutError):
+        except (OSError, TimeoutError):
             self.abort()
 
     def abort(self) -> None:
@@ -145,6 +150,8 @@ class PoolClient:
         pool's total timeout)."""
         try:
             raw = await self._host(ep.url).request(path, body, headers, method=method)
+        except PoolExhausted as exc:  # busy, not broken: back-pressure (gateway.routing.attempts)
+            raise UpstreamPoolFull(f"{ep.id} is busy: {exc}") from exc
         except ConnectFailed as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except ResponseTooLarge as exc:

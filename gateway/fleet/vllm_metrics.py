@@ -236,6 +236,8 @@ class _Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class EndpointGauges:
+    """An endpoint's latest scraped queue: requests running and waiting, KV-cache use, and how old that is."""
+
     running: float
     waiting: float
     kv_usage: float | None

@@ -35,8 +35,10 @@ Outcome = Literal[
     "client_error",  # 4xx decided by the gateway or relayed from the pool
     "upstream_error",  # 5xx relayed from the pool, or the pool failed before the commit point
     "no_capacity",  # 503 from the gateway: no pool could take it
+    "overloaded",  # 503 from the gateway with Retry-After: shed by admission control, or every pool busy
     "stream_error",  # the stream broke after the commit point; ended with an error event
     "client_disconnect",  # the client went away; upstream cancelled
+    "client_stalled",  # the client read nothing for the send deadline: cut off, upstream cancelled
     "gateway_error",  # a bug: 500 from the gateway itself
 ]
 
@@ -66,6 +68,10 @@ class LatencyWindow:
 
 
 class GatewayMetrics:
+    """The gateway's ``specgate_*`` Prometheus metrics in their own registry (requests, latency, attempts,
+    fallbacks, in-flight, acceptance, idempotency, config), with the helpers the request path records through.
+    With ``--workers N`` it writes to prometheus_client's multiprocess directory (``share_across_workers``)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -125,8 +131,9 @@ class GatewayMetrics:
         # to another pool, and passive outlier ejection (1 while the endpoint is ejected in any live worker).
         self.upstream_attempts = Counter(
             "specgate_upstream_attempts",
-            "Upstream attempts by pool and result (ok, status_4xx, status_429, status_5xx, connect_error, timeout, "
-            "stream_error_before_first_chunk; budget_exhausted: a retry the retry budget refused, not sent).",
+            "Upstream attempts by pool and result. Endpoint failures: status_5xx, connect_error, timeout, "
+            "stream_error_before_first_chunk. Back-pressure (never ejection): status_429, queue_full, queue_timeout, "
+            "pool_full. Also ok, status_4xx; budget_exhausted: a retry the retry budget refused, not sent.",
             ["pool", "result"],
             registry=r,
         )
@@ -147,6 +154,29 @@ class GatewayMetrics:
             "specgate_endpoint_ejections",
             "Ejections of the endpoint by passive outlier detection.",
             ["pool", "endpoint"],
+            registry=r,
+        )
+        # Overload (gateway.routing.overload, gateway.proxy.stall): requests answered 503 overloaded, the admission
+        # bound in force, and clients cut off for reading nothing.
+        self.shed = Counter(
+            "specgate_shed",
+            "Requests answered 503 overloaded with Retry-After, by class, first planned pool and reason (admission: "
+            "no planned pool admitted it; busy: every attempt met back-pressure and no pool had headroom).",
+            ["class", "pool", "reason"],
+            registry=r,
+        )
+        self.admission_limit = Gauge(
+            "specgate_admission_limit",
+            "Requests this gateway admits in flight to the pool (admission control); absent when unbounded.",
+            ["pool"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.client_stalled = Counter(
+            "specgate_client_stalled",
+            "Clients cut off after reading nothing for overload.client_send_timeout_s (upstream cancelled, slot "
+            "freed).",
+            ["pool"],
             registry=r,
         )
         self.idempotency = Counter(

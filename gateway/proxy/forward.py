@@ -1,8 +1,9 @@
 """Forwarding: the attempt loop, the commit point, and the relay of the upstream response.
 
-``ProxyResponse`` is the ASGI app a handler returns once the request is classified and planned. It runs the
-attempts and the relay while watching for the client's disconnect, so that a client that goes away cancels
-the upstream request at once, whether the gateway was waiting for headers, the first token, or relaying.
+``ProxyExchange`` is the ASGI app that answers a request once it is classified and planned
+(``gateway.proxy.intake``). It runs the attempts and the relay while watching for the client's disconnect, so that
+a client that goes away cancels the upstream request at once, whether the gateway was waiting for headers, the
+first token, or relaying.
 
 The commit point is the first byte of the response body sent to the client. Before it, an attempt that failed
 for a retryable reason (connect error, timeout or no first event within the TTFT deadline, 429/5xx, an error
@@ -28,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.config.schema import Defaults
 from gateway.errors import (
     GatewayError,
     NoCapacity,
+    Overloaded,
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponseTooLarge,
@@ -47,7 +48,9 @@ from gateway.observability.metrics import GatewayMetrics, Outcome
 from gateway.proxy.dialect import CHAT, ChatDialect
 from gateway.proxy.headers import client_response_headers, upstream_request_headers
 from gateway.proxy.idempotency import KeyClaim
+from gateway.proxy.pool_answer import check_status
 from gateway.proxy.record import RequestRecord
+from gateway.proxy.stall import StallWatch, abort_client
 from gateway.proxy.stream_tap import StreamTap, sample_from_body, with_include_usage
 from gateway.proxy.wire import (
     JSON_CONTENT_TYPE,
@@ -58,17 +61,13 @@ from gateway.proxy.wire import (
     normalise_error,
 )
 from gateway.routing.attempts import (
-    CREDENTIAL_STATUS,
-    RETRYABLE_STATUS,
     AttemptFailure,
     AttemptPolicy,
     BudgetLease,
     PoolStatusError,
     StreamStartError,
     candidates,
-    describe_status,
     exhausted,
-    failure_result,
     status_result,
 )
 from gateway.routing.plan import Plan
@@ -76,13 +75,17 @@ from gateway.runtime.detached import DetachedBudget
 
 logger = logging.getLogger("specgate.forward")
 
-# How long a request runs before the gateway starts watching for its client's disconnect (ProxyResponse.__call__):
+# How long a request runs before the gateway starts watching for its client's disconnect (ProxyExchange.__call__):
 # the upper bound on how late a disconnect cancels the upstream request.
 WATCH_AFTER_S = 0.05
 
 
 @dataclass(slots=True)
 class ProxyJob:
+    """What the front half (``gateway.proxy.intake``) hands to the exchange: the raw body and client headers to
+    forward, the plan and attempt limit, the request's record, the headers every answer carries, and its
+    Idempotency-Key claim."""
+
     path: str
     body: bytes
     client_headers: list[tuple[str, str]]
@@ -117,8 +120,10 @@ class _Opened:
     model: str | None = None  # the model asked for instead of the requested one (route.fallback_model)
 
 
-class ProxyResponse(Response):
-    """An ASGI response that runs the attempts and the relay itself (no body of its own)."""
+class ProxyExchange:
+    """One proxied request from its first attempt to its last byte, as an ASGI app: the attempt loop up to the
+    commit point, then the relay of the chosen pool's response, then the record (metrics, log line, stored result).
+    Called once; its fields are that request's state."""
 
     def __init__(
         self,
@@ -151,11 +156,16 @@ class ProxyResponse(Response):
         self._watcher: asyncio.Task[None] | None = None
         self._detached = False  # a keyed request running on without its client, counted in job.detached
         self._cut = False  # a keyed request cancelled for its client: the detached budget was spent
+        self._stall: StallWatch
+        self._scope: Scope
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; a small watcher cancels it when the client goes away.
         task = asyncio.current_task()
         assert task is not None
+        self._scope = scope
+        self._stall = StallWatch(send, self.policy.client_send_timeout_s, lambda t: self._stalled(t, task))
+        send = self._stall.send  # the send deadline (gateway.proxy.stall)
         claim = self.job.idempotency
         if claim is not None:  # record what the client gets, to store it for replays
             send = claim.recording(send, lambda: self._client_gone)
@@ -191,6 +201,7 @@ class ProxyResponse(Response):
             if self._detached and self.job.detached is not None:
                 self._detached = False
                 self.job.detached.release(self.job.tenant)
+            self._stall.done()
             stored = None
             try:
                 if self._tap is not None and self._tap.sample is not None:
@@ -205,6 +216,19 @@ class ProxyResponse(Response):
 
     def _start_watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+        self._stall.start()
+
+    def _stalled(self, timeout: float, task: asyncio.Task[Any]) -> None:
+        """The client has taken nothing for ``timeout`` s: cut it off (the disconnect path does the rest)."""
+        if self._last_send:
+            return
+        self.outcome = "client_stalled"
+        self.job.record.error = f"the client read nothing for {timeout:g}s: cut off"
+        self.metrics.client_stalled.labels(self._opened.pool.name if self._opened is not None else "none").inc()
+        logger.warning("request %s: %s", self.job.record.request_id, self.job.record.error)
+        if not abort_client(self._scope):  # else the server reports the disconnect and the watcher acts on it
+            self._client_gone = True
+            task.cancel()
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:
@@ -213,7 +237,8 @@ class ProxyResponse(Response):
                 if self._last_send:
                     return
                 self._client_gone = True
-                self.outcome = "client_disconnect"
+                if self.outcome != "client_stalled":
+                    self.outcome = "client_disconnect"
                 if self.job.idempotency is None:
                     task.cancel()
                     return
@@ -237,7 +262,12 @@ class ProxyResponse(Response):
             opened = await self._open()
         except GatewayError as exc:
             rec.error = exc.message
-            self.outcome = "no_capacity" if isinstance(exc, NoCapacity) else "upstream_error"
+            if isinstance(exc, Overloaded):
+                self.outcome = "overloaded"
+                planned = self.job.plan.pools[0] if self.job.plan.pools else "none"
+                self.metrics.shed.labels(rec.traffic_class or "none", planned, exc.reason).inc()
+            else:
+                self.outcome = "no_capacity" if isinstance(exc, NoCapacity) else "upstream_error"
             await self._send_error(send, exc)
             return
         self._opened = opened
@@ -263,19 +293,30 @@ class ProxyResponse(Response):
         return opened
 
     async def _attempts(self, lease: BudgetLease) -> _Opened:
-        job, rec, metrics = self.job, self.job.record, self.metrics
+        job, rec, metrics, policy = self.job, self.job.record, self.metrics, self.policy
         failures: list[AttemptFailure] = []
+        full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
+        sent = 0
         tries = candidates(job.plan, self.pools, self.rng) if job.pinned is None else iter((job.pinned,))
-        for n, (pool, ep) in enumerate(tries):
-            if n >= job.max_attempts:
+        for pool, ep in tries:
+            if sent >= job.max_attempts:
                 break
-            if failures:
-                last = failures[-1]
-                if not lease.try_retry():
+            if pool.name in full:
+                continue
+            if job.pinned is None and not policy.admits(pool):
+                full.append(pool.name)
+                continue
+            if failures and failures[-1].backpressure and policy.busy(pool, ep):
+                continue  # after back-pressure, only an endpoint with headroom is worth a try
+            if failures or full:
+                last = failures[-1] if failures else None
+                if last is not None and not lease.try_retry():
                     metrics.attempt_done(pool.name, "budget_exhausted")
                     raise exhausted(failures, budget_refused=True)
-                if last.pool != pool.name:
-                    metrics.fallbacks.labels(rec.traffic_class, last.pool, pool.name, last.result).inc()
+                from_pool, why = (last.pool, last.result) if last is not None else (full[-1], "admission")
+                if from_pool != pool.name:
+                    metrics.fallbacks.labels(rec.traffic_class, from_pool, pool.name, why).inc()
+            sent += 1
             client = self.clients[pool.name]
             headers = upstream_request_headers(
                 job.client_headers, request_id=rec.request_id, api_key=client.api_key, client_addr=job.client_addr
@@ -289,12 +330,12 @@ class ProxyResponse(Response):
             try:
                 opened = await self._attempt(pool, ep, client, headers)
             except UpstreamError as exc:
-                result = failure_result(exc)
+                result = policy.classify(pool, ep, exc)
                 status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
                 rec.attempt(pool.name, ep.id, started, status, exc.message)
                 metrics.attempt_done(pool.name, result)
                 failures.append(AttemptFailure(pool.name, ep.id, exc, result))
-                self.policy.failed(ep, exc, self.pools.values())
+                policy.failed(ep, exc, self.pools.values(), result)
                 if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
                     metrics.limit_refused(exc.limit)
                     raise
@@ -306,9 +347,9 @@ class ProxyResponse(Response):
             status = opened.response.status
             rec.attempt(pool.name, ep.id, started, status, None)
             metrics.attempt_done(pool.name, status_result(status))
-            self.policy.answered(ep, status, self.pools.values())
+            policy.answered(ep, status, self.pools.values())
             return opened
-        raise exhausted(failures)
+        raise policy.gave_up(failures, full)
 
     async def _attempt(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
@@ -335,7 +376,7 @@ class ProxyResponse(Response):
         body, model, _ = self._request_body(pool)
         resp = await client.post(ep, job.path, body, headers, method=job.method)
         try:
-            await self._check_status(pool, resp)
+            await check_status(pool, resp)
             body = await resp.read()
             rec.upstream_first = rec.upstream_done = time.perf_counter()
             resp.release()
@@ -351,7 +392,7 @@ class ProxyResponse(Response):
         body, model, strip = self._request_body(pool)
         resp = await client.post(ep, job.path, body, headers, method=job.method)
         try:
-            await self._check_status(pool, resp)
+            await check_status(pool, resp)
             if resp.status != 200:  # an error answer: relayed whole, with its status
                 body = await resp.read()
                 rec.upstream_first = rec.upstream_done = time.perf_counter()
@@ -402,27 +443,6 @@ class ProxyResponse(Response):
         if self._usage_body is None:
             return job.body, None, False
         return self._usage_body, None, True
-
-    @staticmethod
-    async def _check_status(pool: PoolState, resp: UpstreamResponse) -> None:
-        """Statuses that another pool may answer better are attempt failures, not answers
-        (``gateway.routing.attempts``).
-        401/403 from a pool: the client's key never reaches a pool, so it is the gateway's pool key being refused
-        (a config error another pool may not have), never the client's."""
-        if resp.status in CREDENTIAL_STATUS:
-            logger.error(
-                "pool %s refused the gateway's credentials (HTTP %d): check api_key_env", pool.name, resp.status
-            )
-            raise PoolStatusError(
-                resp.status, f"pool {pool.name} refused the gateway's credentials (HTTP {resp.status})"
-            )
-        if resp.status in RETRYABLE_STATUS:
-            try:
-                async with asyncio.timeout(0.5):  # the error body is small; a pool that stalls on it is not waited for
-                    raw = await resp.read()
-            except (UpstreamError, TimeoutError):
-                raw = b""
-            raise PoolStatusError(resp.status, describe_status(resp.status, raw))
 
     # --- sending --------------------------------------------------------------------------------------
 

@@ -364,6 +364,8 @@ class KeyClaim:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
+    """A request whose Idempotency-Key already has a stored response: that response, sent again."""
+
     response: StoredResponse
     result: Result  # replayed | waited_replayed
 

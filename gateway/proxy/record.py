@@ -18,6 +18,8 @@ from gateway.observability.metrics import GatewayMetrics, Outcome
 
 @dataclass(slots=True)
 class AttemptRecord:
+    """One upstream attempt of a request: where it went, the status it got or the error, and how long it took."""
+
     pool: str
     endpoint: str
     status: int | None
@@ -36,6 +38,10 @@ class AttemptRecord:
 
 @dataclass(slots=True)
 class RequestRecord:
+    """Everything the gateway learns about one request while serving it: its class, task type, route reason,
+    attempts, timings, status, error, spec-decode sample and Idempotency-Key result. ``finish`` turns it, once,
+    into the metrics and the access log line."""
+
     request_id: str
     path: str
     arrived: float = field(default_factory=time.perf_counter)

@@ -33,7 +33,7 @@ from starlette.responses import Response
 from gateway.errors import Conflict, GatewayError, InvalidParameter, NoCapacity, NotFound, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
-from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.forward import ProxyExchange, ProxyJob
 from gateway.proxy.headers import request_id
 from gateway.proxy.idempotency import tenant_scope
 from gateway.proxy.record import RequestRecord
@@ -211,7 +211,7 @@ def _query(request: Request) -> tuple[bool, str]:
     return stream_raw == "true", ("?" + "&".join(parts)) if parts else ""
 
 
-async def _stateful(request: Request, method: str, suffix: str) -> Response:
+async def _stateful(request: Request, method: str, suffix: str) -> Response | ProxyExchange:
     """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the endpoint holding it, once."""
     rt: Runtime = request.app.state.runtime
     rid = str(request.path_params["response_id"])
@@ -246,12 +246,13 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response:
         pinned=(pool, ep),
         method=method,
     )
-    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+    return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
 
 
-async def retrieve_response(request: Request) -> Response:
+# Starlette routes (they have a path parameter): Starlette runs what they return, a ProxyExchange as any ASGI app.
+async def retrieve_response(request: Request) -> Response | ProxyExchange:
     return await _stateful(request, "GET", "")
 
 
-async def cancel_response(request: Request) -> Response:
+async def cancel_response(request: Request) -> Response | ProxyExchange:
     return await _stateful(request, "POST", "/cancel")

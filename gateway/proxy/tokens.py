@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError, InvalidJSON, InvalidParameter, ModelNotFound
-from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.forward import ProxyExchange, ProxyJob
 from gateway.proxy.headers import request_id
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import read_limited
@@ -37,7 +37,7 @@ async def _body(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
     return raw, body
 
 
-async def _forward(request: Request, path: str) -> Response:
+async def _forward(request: Request, path: str) -> Response | ProxyExchange:
     rt: Runtime = request.app.state.runtime
     headers = request.headers
     rec = RequestRecord(request_id(headers.get("x-request-id")), path)
@@ -71,12 +71,12 @@ async def _forward(request: Request, path: str) -> Response:
         record=rec,
         extra_headers=[*extra.items(), ("x-specgate-route", CLASS)],
     )
-    return ProxyResponse(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+    return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
 
 
-async def tokenize(request: Request) -> Response:
+async def tokenize(request: Request) -> Response | ProxyExchange:
     return await _forward(request, "/tokenize")
 
 
-async def detokenize(request: Request) -> Response:
+async def detokenize(request: Request) -> Response | ProxyExchange:
     return await _forward(request, "/detokenize")

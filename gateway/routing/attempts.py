@@ -12,9 +12,13 @@ The retry budget (Envoy's): retries in progress may not exceed ``ratio`` x reque
 ``min_retries``, so a failing pool cannot double the load on the healthy one. A request holds its lease from its
 first attempt until its upstream response is closed; a retry holds a slot for as long.
 
-Outlier ejection: ``consecutive_failures`` failed attempts in a row (429 excluded: it is back-pressure, not a
-broken endpoint) eject the endpoint for base x 2^(k-1) s (``EndpointState.eject``), unless that would leave a
-model of its pool without any routable endpoint; a health check brings it back once the time is over.
+Back-pressure is not failure (``gateway.routing.overload``): a 429, a queue-full 503, a full connection pool and a
+first-event deadline missed by a busy endpoint are labelled as such, never counted toward ejection, never mark the
+endpoint unhealthy, and move the request on only to an endpoint that is not busy itself.
+
+Outlier ejection: ``consecutive_failures`` endpoint failures in a row eject the endpoint for base x 2^(k-1) s
+(``EndpointState.eject``), unless that would leave a model of its pool without any routable endpoint; a health
+check brings it back once the time is over.
 
 All state here is per process (as the in-flight counts are): with ``--workers N`` each worker has its own budget
 and its own view of ejections.
@@ -32,11 +36,20 @@ from typing import Literal
 
 import orjson
 
-from gateway.config.schema import Defaults, OutlierDetection
+from gateway.config.schema import Defaults, OutlierDetection, Overload
 from gateway.config.schema import RetryBudget as RetryBudgetSpec
-from gateway.errors import NoCapacity, UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from gateway.errors import (
+    NoCapacity,
+    Overloaded,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPoolFull,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.metrics import GatewayMetrics
+from gateway.routing import overload
 from gateway.routing.plan import Plan
 
 logger = logging.getLogger("specgate.attempts")
@@ -50,7 +63,13 @@ AttemptResult = Literal[
     "timeout",  # no response (or, for a stream, no first event) in time
     "stream_error_before_first_chunk",  # a 200 stream that failed before its first event
     "budget_exhausted",  # a retry the retry budget refused (not sent)
+    # back-pressure (gateway.routing.overload), besides status_429: never counted toward ejection
+    "queue_full",  # a 503 saying the engine's queue is full (or with Retry-After)
+    "queue_timeout",  # no first event in time from an endpoint that was busy (queueing)
+    "pool_full",  # no free pooled connection before the first-byte deadline
 ]
+
+BACKPRESSURE_RESULTS = frozenset({"status_429", "queue_full", "queue_timeout", "pool_full"})
 
 # Statuses after which another pool may be tried (before the commit point): overload and server errors.
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -60,9 +79,11 @@ CREDENTIAL_STATUS = frozenset({401, 403})
 class PoolStatusError(UpstreamError):
     """The pool answered a status that is an attempt failure, not an answer (see ``RETRYABLE_STATUS``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, busy: bool | None = None) -> None:
         super().__init__(message)
         self.upstream_status = status
+        # back-pressure rather than a broken endpoint (429, queue-full 503: gateway.routing.overload.busy_status)
+        self.busy = status == 429 if busy is None else busy
 
     @property
     def permanent(self) -> bool:
@@ -82,13 +103,18 @@ def status_result(status: int) -> AttemptResult:
     return "status_4xx" if status < 500 else "status_5xx"
 
 
-def failure_result(exc: UpstreamError) -> AttemptResult:
+def failure_result(exc: UpstreamError, *, queueing: bool = False) -> AttemptResult:
+    """The label of a failed attempt; ``queueing``: the endpoint was busy when its deadline passed."""
     if isinstance(exc, PoolStatusError):
+        if exc.busy and exc.upstream_status != 429:
+            return "queue_full"
         return status_result(exc.upstream_status)
+    if isinstance(exc, UpstreamPoolFull):
+        return "pool_full"
     if isinstance(exc, StreamStartError):
         return "stream_error_before_first_chunk"
     if isinstance(exc, UpstreamTimeout):
-        return "timeout"
+        return "queue_timeout" if queueing else "timeout"
     if isinstance(exc, UpstreamConnectError):
         return "connect_error"
     return "stream_error_before_first_chunk"  # a stream's protocol error raised as a plain UpstreamError
@@ -221,24 +247,68 @@ def note_failure(
     return duration
 
 
-# --- the policy a ProxyResponse uses -----------------------------------------------------------------------
+# --- the policy a ProxyExchange uses -----------------------------------------------------------------------
 
 
 class AttemptPolicy:
-    """The process-wide part of the attempt loop: the retry budget and the outlier settings, both read from the
-    live config's ``defaults`` (``defaults`` is called on each use, so a reload takes effect)."""
+    """The process-wide part of the attempt loop: the retry budget, the outlier settings and admission control,
+    read from the live config (``defaults`` and ``overload`` are called on each use, so a reload takes effect).
+    ``workers``: the gateway's worker processes (admission and busy bounds are split over them)."""
 
     def __init__(
-        self, defaults: Callable[[], Defaults], metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+        self,
+        defaults: Callable[[], Defaults],
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        overload_spec: Callable[[], Overload] = Overload,
+        workers: int = 1,
     ) -> None:
         self._defaults = defaults
+        self._overload = overload_spec
         self.metrics = metrics
         self.clock = clock
+        self.workers = workers
         self.budget = RetryBudget(lambda: self._defaults().retry_budget)
 
-    def failed(self, ep: EndpointState, exc: UpstreamError, pools: Iterable[PoolState]) -> None:
-        """Bookkeeping of a failed attempt: the endpoint's failure count, and its ejection when due."""
-        if isinstance(exc, PoolStatusError) and exc.upstream_status == 429:
+    # --- back-pressure and admission (gateway.routing.overload)
+
+    def classify(self, pool: PoolState, ep: EndpointState, exc: UpstreamError) -> AttemptResult:
+        """The label of a failed attempt on ``ep`` (which this attempt still counts in flight)."""
+        queueing = isinstance(exc, UpstreamTimeout) and overload.endpoint_busy(
+            ep, pool.spec, self.clock(), workers=self.workers, own=1
+        )
+        return failure_result(exc, queueing=queueing)
+
+    def admits(self, pool: PoolState) -> bool:
+        return overload.admits(pool, self.workers)
+
+    def busy(self, pool: PoolState, ep: EndpointState) -> bool:
+        """After a back-pressure failure: ``ep`` is busy too (or its pool admits no more), so not worth trying."""
+        return not self.admits(pool) or overload.endpoint_busy(ep, pool.spec, self.clock(), workers=self.workers)
+
+    def gave_up(self, failures: list[AttemptFailure], full: list[str]) -> NoCapacity:
+        """The answer of a request whose attempts are over: 503 ``overloaded`` when it met only back-pressure (or
+        was never sent: every planned pool full), else the 503 of ``exhausted``."""
+        if failures and all(f.backpressure for f in failures):
+            listing = "; ".join(f"{f.pool}/{f.endpoint}: {f.error.message}" for f in failures)
+            return self.overloaded(f"every pool that can serve this request is busy: {listing}", "busy")
+        if not failures and full:
+            return self.overloaded(f"every pool that can serve this request is full ({', '.join(full)})", "admission")
+        return exhausted(failures)
+
+    def client_send_timeout_s(self) -> float:
+        return self._overload().client_send_timeout_s
+
+    def overloaded(self, message: str, reason: str) -> Overloaded:
+        return Overloaded(message, reason=reason, retry_after_s=self._overload().retry_after_s)
+
+    def failed(
+        self, ep: EndpointState, exc: UpstreamError, pools: Iterable[PoolState], result: AttemptResult | None = None
+    ) -> None:
+        """Bookkeeping of a failed attempt: the endpoint's failure count, and its ejection when due. Back-pressure
+        (``result`` in ``BACKPRESSURE_RESULTS``, or a 429 / busy status) counts for nothing."""
+        if result in BACKPRESSURE_RESULTS or (isinstance(exc, PoolStatusError) and exc.busy):
             return  # back-pressure, not a broken endpoint
         self._note(ep, exc.message, pools, unreachable=isinstance(exc, UpstreamUnreachable))
 
@@ -258,10 +328,16 @@ class AttemptPolicy:
 
 @dataclass(frozen=True, slots=True)
 class AttemptFailure:
+    """An attempt that failed before the commit point: where, the error, and its result label."""
+
     pool: str
     endpoint: str
     error: UpstreamError
     result: AttemptResult
+
+    @property
+    def backpressure(self) -> bool:
+        return self.result in BACKPRESSURE_RESULTS
 
 
 def exhausted(failures: list[AttemptFailure], *, budget_refused: bool = False) -> NoCapacity:

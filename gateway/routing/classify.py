@@ -47,6 +47,8 @@ class RequestFeatures:
 
 @dataclass(frozen=True, slots=True)
 class Classification:
+    """A request's routing features and the first traffic class whose conditions they meet."""
+
     features: RequestFeatures
     traffic_class: TrafficClass
 

@@ -33,6 +33,11 @@ class PoolView:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """The ordered pools a request may try, and why the first was chosen (``reason``: ``preferred``,
+    ``saturated``, ``<pool> unavailable``, a controller's pick, ...). ``skipped`` names the pools left out and why
+    (an empty plan answers 503 from it); ``models`` the pools asked for another model (``route.fallback_model``);
+    ``ttft_deadline_s`` the class's first-event deadline for streams. Pure data, built by ``plan_route``."""
+
     pools: tuple[str, ...]
     reason: str
     skipped: tuple[tuple[str, str], ...] = ()

@@ -8,6 +8,7 @@ a mix. Endpoint state (health, in-flight counts) is carried over by endpoint id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -29,6 +30,7 @@ from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.overrides.manager import Override, OverrideManager
 from gateway.overrides.store import build_override_store
 from gateway.periodic import cancel_and_wait, run_every
+from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
 from gateway.routing.route_state import RoutingState
@@ -42,6 +44,15 @@ logger = logging.getLogger("specgate")
 
 
 class Runtime:
+    """The one dependency container of a gateway process: everything a request or a background task needs.
+
+    Holds the settings, the config in force (``live``, swapped whole by ``reloader``), the metrics and access log,
+    the process-wide attempt policy (retry budget, outlier ejection), the class controllers' ``routing`` state,
+    the health checker and scraper that feed it, the idempotency ``store``, the on-call ``overrides`` and their
+    ``audit``. Built once by ``create_app`` (``from_settings`` validates the YAML first); ``start`` and ``stop``
+    run the background tasks from the app's lifespan. Handlers read ``live`` once per request, so a request sees
+    one config from start to end."""
+
     def __init__(self, settings: Settings, live: LiveConfig) -> None:
         self.settings = settings
         self.live = live
@@ -61,7 +72,12 @@ class Runtime:
             timeout_s=settings.health_timeout_s,
         )
         # The attempt loop's process-wide part: the retry budget and outlier ejection (gateway.routing.attempts).
-        self.attempts = AttemptPolicy(lambda: self.live.rules.defaults, self.metrics)
+        self.attempts = AttemptPolicy(
+            lambda: self.live.rules.defaults,
+            self.metrics,
+            overload_spec=lambda: self.live.rules.overload,
+            workers=settings.workers,
+        )
         # The route state of the classes with a ``controller:`` block, fed after every scrape round.
         self.routing = RoutingState(
             lambda: self.live.rules,
@@ -113,6 +129,16 @@ class Runtime:
         # Hot reload of the routing YAML: SIGHUP, POST /admin/reload, the file watcher (gateway.runtime.reload).
         self.reloader = Reloader(self)
 
+    def _export_admission(self) -> None:
+        """The admission bounds in force (gauge), every scrape interval, on every replica (leader or not)."""
+        gauge = self.metrics.admission_limit
+        for name, limit in overload.limits(self.live.pools, self.settings.workers).items():
+            if limit is not None:
+                gauge.labels(name).set(limit)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
+
     def _audit_transition(self, t: Transition) -> None:
         if self.cluster is not None and self.cluster.role == "follower":
             return  # the leader audits the cluster's transitions once (a follower's come from on-call forces)
@@ -127,6 +153,7 @@ class Runtime:
         return self.cluster is None or self.cluster.acting_locally()
 
     async def _scrape_round(self) -> None:
+        self._export_admission()
         if not self._acting_locally():
             return
         await self.scraper.scrape_all()

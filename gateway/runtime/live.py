@@ -25,6 +25,12 @@ def config_digest(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LiveConfig:
+    """Everything built from one routing YAML: the validated rules, the compiled classifier, the run-time pool
+    and endpoint state, the upstream clients, the models served, and the YAML's text and digest.
+
+    Immutable as a whole: a reload builds a new one (``build(previous=...)`` keeps the state objects of endpoints
+    that remain, so in-flight counts and health survive) and swaps ``Runtime.live`` in one assignment."""
+
     rules: RoutingRules
     source: str
     text: str  # the YAML in force, as read (GET /admin/config)

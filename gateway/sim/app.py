@@ -36,7 +36,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.sim import responses as sim_responses
 from gateway.sim import wire
-from gateway.sim.call import _error, _GenerationCall, _json
+from gateway.sim.call import GenerationCall, error_response, json_response
 from gateway.sim.faults import MALFORMED_METRICS, Faults, RequestFaults
 from gateway.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.sim.state import TASK_HEADER, SimOptions, SimState, sim_state
@@ -109,9 +109,9 @@ def create_sim_app(options: SimOptions) -> Starlette:
         faults = state.faults.draw()
         if faults.error_status is not None:
             state.counts["error"] += 1
-            return _error(wire.WireError(faults.error_status, "Injected failure (simulator fault injection)."))
+            return error_response(wire.WireError(faults.error_status, "Injected failure (simulator fault injection)."))
         if not state.alive:
-            return _error(wire.WireError(500, "The engine is not running."))
+            return error_response(wire.WireError(500, "The engine is not running."))
         return faults
 
     async def generate(request: Request, kind: wire.Kind) -> Response:
@@ -122,13 +122,13 @@ def create_sim_app(options: SimOptions) -> Starlette:
                 kind, body, served=served, max_model_len=state.max_model_len, lengths=options.output_lengths
             )
         except wire.WireError as exc:
-            return _error(exc)
+            return error_response(exc)
         faults = admit()
         if isinstance(faults, Response):
             return faults
         task = (request.headers.get(TASK_HEADER) or "").strip().lower() or wire.guess_task(body)
         request_id = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
-        return _GenerationCall(state, req, str(request_id), task, faults)
+        return GenerationCall(state, req, str(request_id), task, faults)
 
     async def responses_create(request: Request) -> Response:
         state.counts["requests"] += 1
@@ -139,7 +139,7 @@ def create_sim_app(options: SimOptions) -> Starlette:
                 "chat", prep.chat_body, served=served, max_model_len=state.max_model_len, lengths=options.output_lengths
             )
         except wire.WireError as exc:
-            return _error(exc)
+            return error_response(exc)
         faults = admit()
         if isinstance(faults, Response):
             return faults
@@ -152,29 +152,29 @@ def create_sim_app(options: SimOptions) -> Starlette:
         queued = sim_responses.queued(call)
         store.put(queued, prep.messages)
         store.tasks[prep.response_id] = asyncio.create_task(sim_responses.run_background(call, store))
-        return _json(queued)
+        return json_response(queued)
 
     async def responses_get(request: Request) -> Response:
         rid = request.path_params["response_id"]
         if request.query_params.get("stream") in ("true", "True", "1"):
-            return _error(wire.WireError(400, "Streaming a stored response is not simulated.", param="stream"))
+            return error_response(wire.WireError(400, "Streaming a stored response is not simulated.", param="stream"))
         response = store.responses.get(rid)
-        return _json(response) if response is not None else _error(sim_responses.not_found(rid))
+        return json_response(response) if response is not None else error_response(sim_responses.not_found(rid))
 
     async def responses_cancel(request: Request) -> Response:
         rid = request.path_params["response_id"]
         response = store.responses.get(rid)
         if response is None:
-            return _error(sim_responses.not_found(rid))
+            return error_response(sim_responses.not_found(rid))
         if response["status"] not in ("queued", "in_progress"):
             error = wire.WireError(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
-            return _error(error)
+            return error_response(error)
         response["status"] = "cancelled"
         task = store.tasks.get(rid)
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
-        return _json(response)
+        return json_response(response)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
@@ -195,9 +195,11 @@ def create_sim_app(options: SimOptions) -> Starlette:
             else:
                 raise wire.WireError(400, "prompt or messages: Field required.", param="prompt")
         except wire.WireError as exc:
-            return _error(exc)
+            return error_response(exc)
         tokens = wire.token_ids(text)
-        return _json({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None})
+        return json_response(
+            {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}
+        )
 
     async def detokenize(request: Request) -> Response:
         try:
@@ -209,11 +211,11 @@ def create_sim_app(options: SimOptions) -> Starlette:
             if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
                 raise wire.WireError(400, "tokens: a list of non-negative integers is required.", param="tokens")
         except wire.WireError as exc:
-            return _error(exc)
-        return _json({"prompt": "".join(wire.pseudo_tokens(sum(tokens), len(tokens)))})
+            return error_response(exc)
+        return json_response({"prompt": "".join(wire.pseudo_tokens(sum(tokens), len(tokens)))})
 
     async def models(request: Request) -> Response:
-        return _json(
+        return json_response(
             wire.model_list(served, created=state.created, max_model_len=state.max_model_len, root=options.model)
         )
 
@@ -224,12 +226,12 @@ def create_sim_app(options: SimOptions) -> Starlette:
         return Response(b"", status_code=status)
 
     async def version(request: Request) -> Response:
-        return _json({"version": wire.VLLM_VERSION})
+        return json_response({"version": wire.VLLM_VERSION})
 
     async def metrics(request: Request) -> Response:
         mode = state.faults.faults.metrics
         if mode == "missing":
-            return _json({"detail": "Not Found"}, 404)
+            return json_response({"detail": "Not Found"}, 404)
         if mode == "malformed":
             return Response(MALFORMED_METRICS, media_type=METRICS_CONTENT_TYPE)
         engine = state.engine
@@ -237,7 +239,7 @@ def create_sim_app(options: SimOptions) -> Starlette:
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def sim_stats(request: Request) -> Response:
-        return _json(state.stats())
+        return json_response(state.stats())
 
     async def sim_faults(request: Request) -> Response:
         if request.method == "PUT":
@@ -245,12 +247,12 @@ def create_sim_app(options: SimOptions) -> Starlette:
                 patch = orjson.loads(await request.body())
                 await state.faults.apply(state.faults.faults.merged(patch))
             except (orjson.JSONDecodeError, ValueError) as exc:
-                return _error(wire.WireError(400, str(exc)))
-        return _json(state.faults.faults.to_json())
+                return error_response(wire.WireError(400, str(exc)))
+        return json_response(state.faults.faults.to_json())
 
     async def sim_faults_reset(request: Request) -> Response:
         await state.faults.apply(Faults())
-        return _json(state.faults.faults.to_json())
+        return json_response(state.faults.faults.to_json())
 
     async def sim_options(request: Request) -> Response:
         shown = dataclasses.replace(options, api_keys=("<redacted>",) * len(options.api_keys))
@@ -258,10 +260,10 @@ def create_sim_app(options: SimOptions) -> Starlette:
         return Response(raw, media_type=wire.JSON_CONTENT_TYPE)
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return _json({"detail": "Not Found"}, 404)
+        return json_response({"detail": "Not Found"}, 404)
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
-        return _json({"detail": "Method Not Allowed"}, 405)
+        return json_response({"detail": "Method Not Allowed"}, 405)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:

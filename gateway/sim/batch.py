@@ -1,7 +1,7 @@
 """The batch mechanics of one simulated engine: which sequences one step decodes, prefills (in chunks) and admits
 under ``max_num_seqs``, the token budget and the KV cache (``BLOCK_SIZE``-token blocks), recompute preemption
 when the cache is full, the tokens each sequence gets at the end of the step, and the bookkeeping of a finished
-sequence. ``_Batch`` holds these methods; ``engine.Engine``, which runs the loop and owns the state, inherits them.
+sequence. ``Batch`` holds these methods; ``engine.Engine``, which runs the loop and owns the state, inherits them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class _Plan:
     n_prefill_tokens: int
 
 
-class _Batch:
+class Batch:
     """The step mechanics ``Engine`` inherits: what one step schedules (``_schedule``), what it emits (``_emit``),
     preemption, KV-block accounting and how a sequence finishes. ``Engine.__init__`` sets the attributes declared
     here."""
@@ -66,12 +66,12 @@ class _Batch:
         while i < len(running):
             g = running[i]
             i += 1
-            if g._computed < g._target:
+            if g.computed < g.prefill_target:
                 prefilling.append(g)
                 continue
             if budget < decode_cost:
                 continue
-            need = -(-(g._computed + reserve) // BLOCK_SIZE) - g._blocks
+            need = -(-(g.computed + reserve) // BLOCK_SIZE) - g.blocks
             if need > 0:
                 while need > self._free_blocks and running[-1] is not g:
                     self._preempt(running[-1])
@@ -81,7 +81,7 @@ class _Batch:
                     preempted = True
                     break
                 self._free_blocks -= need
-                g._blocks += need
+                g.blocks += need
             decodes.append(g)
             budget -= decode_cost
         prefills: list[tuple[Generation, int]] = []
@@ -89,10 +89,10 @@ class _Batch:
         for g in prefilling:
             if budget <= 0:
                 break
-            if g._blocks == 0:  # preempted above
+            if g.blocks == 0:  # preempted above
                 continue
-            chunk = min(g._target - g._computed, budget)
-            need = self._blocks_for(g._computed + chunk + k) - g._blocks
+            chunk = min(g.prefill_target - g.computed, budget)
+            need = self._blocks_for(g.computed + chunk + k) - g.blocks
             if need > self._free_blocks:
                 busy = set(map(id, decodes))  # never preempt a sequence already scheduled in this step
                 while need > self._free_blocks and running[-1] is not g and id(running[-1]) not in busy:
@@ -101,7 +101,7 @@ class _Batch:
                 if need > self._free_blocks:
                     continue
             self._free_blocks -= need
-            g._blocks += need
+            g.blocks += need
             prefills.append((g, chunk))
             n_prefill += chunk
             budget -= chunk
@@ -111,14 +111,14 @@ class _Batch:
         blocked = preempted and bool(decodes or prefills)
         while waiting and not blocked and budget > 0 and len(running) < self.max_num_seqs:
             g = waiting[0]
-            chunk = min(g._target - g._computed, budget)
-            need = self._blocks_for(g._computed + chunk + k) - g._blocks
+            chunk = min(g.prefill_target - g.computed, budget)
+            need = self._blocks_for(g.computed + chunk + k) - g.blocks
             if need > self._free_blocks:
                 break
             waiting.popleft()
             running.append(g)
             self._free_blocks -= need
-            g._blocks += need
+            g.blocks += need
             prefills.append((g, chunk))
             admitted.append(g)
             n_prefill += chunk
@@ -137,11 +137,11 @@ class _Batch:
             running.pop()
         else:
             running.remove(g)
-        self._free_blocks += g._blocks
-        self._ctx -= g._computed
-        g._blocks = 0
-        g._computed = 0
-        g._target = g.request.prompt_tokens + g.tokens
+        self._free_blocks += g.blocks
+        self._ctx -= g.computed
+        g.blocks = 0
+        g.computed = 0
+        g.prefill_target = g.request.prompt_tokens + g.tokens
         g.num_preemptions += 1
         self._waiting.appendleft(g)
         self._s["preemptions"] += 1
@@ -157,9 +157,9 @@ class _Batch:
         acc_hist = [0] * (k + 1)
         itl_get = itl.get
         for g in plan.decodes:
-            if g._done:  # aborted during the step
+            if g.done:  # aborted during the step
                 continue
-            left = g._out - g.tokens
+            left = g.output_tokens - g.tokens
             if k:
                 a = g.acceptance
                 acc = 0
@@ -176,15 +176,15 @@ class _Batch:
                 acc_hist[acc] += 1
             else:
                 n = 1
-            g._computed += n
+            g.computed += n
             g.tokens += n
             generated += n
             last = g.last_token
             if last is not None:
                 itl[last] = itl_get(last, 0) + 1
             g.last_token = end
-            g._bursts.append(n)  # Generation._push, inlined: this loop runs for every sequence of every step
-            w = g._waiter
+            g.bursts.append(n)  # Generation.push, inlined: this loop runs for every sequence of every step
+            w = g.waiter
             if w is not None and not w.done():
                 w.set_result(None)
             if n >= left:
@@ -193,11 +193,11 @@ class _Batch:
         self._ctx += generated
         n_prefill_done = 0
         for g, chunk in plan.prefills:
-            g._computed += chunk
+            g.computed += chunk
             self._ctx += chunk
-            if g._computed < g._target or g._done:
+            if g.computed < g.prefill_target or g.done:
                 continue
-            left = g._out - g.tokens
+            left = g.output_tokens - g.tokens
             g.tokens += 1
             generated += 1
             if g.first_token is None:
@@ -208,7 +208,7 @@ class _Batch:
             elif g.last_token is not None:  # resumed after a preemption
                 itl[g.last_token] = itl.get(g.last_token, 0) + 1
             g.last_token = end
-            g._push(1)
+            g.push(1)
             if left <= 1:
                 finished.append(g)
         for last, count in itl.items():
@@ -239,15 +239,15 @@ class _Batch:
         self.metrics.set_scheduler(len(self._running), len(self._waiting), self.kv_usage)
 
     def _release(self, g: Generation) -> None:
-        self._free_blocks += g._blocks
-        self._ctx -= g._computed
-        g._blocks = 0
-        g._computed = 0
+        self._free_blocks += g.blocks
+        self._ctx -= g.computed
+        g.blocks = 0
+        g.computed = 0
 
     def _finish(self, g: Generation, reason: str, t: float) -> None:
         """Terminal state + vLLM's per-request histograms (phases never reached are not observed)."""
-        if not g._done:
-            g._end(reason, t)
+        if not g.done:
+            g.end(reason, t)
         if g.first_token is None:
             self._queued_prompt_tokens -= g.request.prompt_tokens
         self._s["aborted" if reason == "abort" else "finished"] += 1
@@ -267,12 +267,12 @@ class _Batch:
 
     def _drop_aborted(self, now: float) -> None:
         self._aborts = 0
-        dropped = [g for g in self._running if g._aborted]
+        dropped = [g for g in self._running if g.aborted]
         if dropped:
-            self._running = [g for g in self._running if not g._aborted]
-        queued = [g for g in self._waiting if g._aborted]
+            self._running = [g for g in self._running if not g.aborted]
+        queued = [g for g in self._waiting if g.aborted]
         if queued:
-            self._waiting = deque(g for g in self._waiting if not g._aborted)
+            self._waiting = deque(g for g in self._waiting if not g.aborted)
         for g in dropped + queued:
             self._release(g)
             self._finish(g, "abort", g.finished if g.finished is not None else now)

@@ -1,4 +1,4 @@
-"""The response of one generation request: ``_GenerationCall`` (an ASGI response that submits the request's
+"""The response of one generation request: ``GenerationCall`` (an ASGI response that submits the request's
 sequences to the engine, streams one chunk per engine step or answers once generation ends, applies the
 injected faults, and notices the client going away), with its small JSON, error and disconnect helpers.
 """
@@ -23,15 +23,15 @@ from gateway.sim.state import Outcome, SimState
 # One generation request
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type=wire.JSON_CONTENT_TYPE)
 
 
-def _error(exc: wire.WireError) -> Response:
-    return _json(exc.body, exc.status)
+def error_response(exc: wire.WireError) -> Response:
+    return json_response(exc.body, exc.status)
 
 
-async def _send_json(send: Send, body: Any, status: int = 200) -> None:
+async def send_json(send: Send, body: Any, status: int = 200) -> None:
     raw = orjson.dumps(body)
     headers = [(b"content-type", wire.JSON_CONTENT_TYPE.encode()), (b"content-length", str(len(raw)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -49,7 +49,7 @@ class _Cut(Exception):
     """Raised to make the ASGI server drop the connection when uvicorn's transport is out of reach."""
 
 
-async def _steps(gens: list[Generation]) -> AsyncIterator[tuple[int, int]]:
+async def engine_steps(gens: list[Generation]) -> AsyncIterator[tuple[int, int]]:
     """(sequence, tokens emitted by one engine step) from every generation, as the steps happen."""
     if len(gens) == 1:
         async for k in gens[0]:
@@ -78,7 +78,7 @@ async def _steps(gens: list[Generation]) -> AsyncIterator[tuple[int, int]]:
             t.cancel()
 
 
-class _GenerationCall(Response):
+class GenerationCall(Response):
     """The ASGI response of one admitted generation request: faults, engine steps, chunks, bookkeeping."""
 
     def __init__(
@@ -138,7 +138,7 @@ class _GenerationCall(Response):
                 error = wire.WireError(500, "EngineCore encountered an issue. See stack trace for the root cause.")
             else:
                 error = wire.WireError(400, str(exc))
-            await _send_json(send, error.body, error.status)
+            await send_json(send, error.body, error.status)
             return
         if self._req.stream:
             await self._stream(send)
@@ -170,7 +170,7 @@ class _GenerationCall(Response):
         steps = 0
         if f.cut_after == 0:
             await self._cut_now()
-        async for i, k in _steps(self._gens):
+        async for i, k in engine_steps(self._gens):
             emitted[i] += k
             steps += 1
             if f.slow_chunk_s:
@@ -182,7 +182,7 @@ class _GenerationCall(Response):
         failed = self._failure(steps)
         if failed is not None:
             self._settle("error")
-            await _send_json(send, failed.body, failed.status)
+            await send_json(send, failed.body, failed.status)
             return
         choices = [
             wire.ChoiceResult(
@@ -204,7 +204,7 @@ class _GenerationCall(Response):
             spec=self._spec_metrics(),
         )
         self._settle("completed")
-        await _send_json(send, body)
+        await send_json(send, body)
 
     def _finish_reason(self, j: int, emitted: int) -> str:
         seq, reason = self._req.seqs[j], self._gens[j].finished_reason
@@ -245,7 +245,7 @@ class _GenerationCall(Response):
         emitted = [0] * len(req.seqs)
         finished = [False] * len(req.seqs)
         chunks = 0
-        async for i, k in _steps(self._gens):
+        async for i, k in engine_steps(self._gens):
             seq = req.seqs[i]
             parts: list[bytes] = []
             if req.kind == "chat" and emitted[i] == 0:

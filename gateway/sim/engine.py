@@ -37,7 +37,7 @@ import time
 from collections import deque
 from typing import Any
 
-from gateway.sim.batch import BLOCK_SIZE, _Batch
+from gateway.sim.batch import BLOCK_SIZE, Batch
 from gateway.sim.metrics import SpecStats, VllmMetrics
 from gateway.sim.physics import DraftCost, Preset, SpecConfig, TargetCost, step_time
 from gateway.sim.sequence import EngineDead, Generation, GenRequest, QueueFull
@@ -53,7 +53,7 @@ _INT_STATS = (
 )  # fmt: skip
 
 
-class Engine(_Batch):
+class Engine(Batch):
     """The engine loop of one simulated server (an asyncio task)."""
 
     def __init__(
@@ -300,8 +300,8 @@ class Engine(_Batch):
         """The engine stopped: every unfinished generation ends (no metrics: the server is going away)."""
         now = self.now()
         for g in [*self._running, *self._waiting]:
-            if not g._done:
-                g._end(reason, now)
+            if not g.done:
+                g.end(reason, now)
         self._running = []
         self._waiting = deque()
         self._free_blocks = self.total_blocks

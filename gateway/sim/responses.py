@@ -27,7 +27,7 @@ import orjson
 from starlette.types import Send
 
 from gateway.sim import wire
-from gateway.sim.call import _GenerationCall, _send_json, _steps
+from gateway.sim.call import GenerationCall, engine_steps, send_json
 from gateway.sim.engine import EngineDead, QueueFull
 
 MAX_STORED = 10_000  # responses the store keeps (vLLM's grows without bound; the simulator's forgets the oldest)
@@ -238,8 +238,8 @@ def typed_event(payload: dict[str, Any]) -> bytes:
     return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-class ResponsesCall(_GenerationCall):
-    """One admitted ``POST /v1/responses``: the engine steps of ``_GenerationCall``, Responses shapes on the wire."""
+class ResponsesCall(GenerationCall):
+    """One admitted ``POST /v1/responses``: the engine steps of ``GenerationCall``, Responses shapes on the wire."""
 
     def __init__(self, *args: Any, body: dict[str, Any], prepared: Prepared, store: ResponseStore) -> None:
         super().__init__(*args)
@@ -274,7 +274,7 @@ class ResponsesCall(_GenerationCall):
         emitted = steps = 0
         if f.cut_after == 0:
             await self._cut_now()
-        async for _, k in _steps(self._gens):
+        async for _, k in engine_steps(self._gens):
             emitted += k
             steps += 1
             if f.slow_chunk_s:
@@ -286,14 +286,14 @@ class ResponsesCall(_GenerationCall):
         failed = self._failure(steps)
         if failed is not None:
             self._settle("error")
-            await _send_json(send, failed.body, failed.status)
+            await send_json(send, failed.body, failed.status)
             return
         seq = self._req.seqs[0]
         emitted = min(emitted, seq.output_tokens)
         text = "".join(wire.pseudo_tokens(seq.seed, emitted))
         response = self._final(emitted, text, f"msg_{uuid.uuid4().hex}")
         self._settle("completed")
-        await _send_json(send, response)
+        await send_json(send, response)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._seq, **fields}
@@ -313,7 +313,7 @@ class ResponsesCall(_GenerationCall):
         item_id = f"msg_{uuid.uuid4().hex}"
         at: dict[str, Any] = {"output_index": 0, "item_id": item_id, "content_index": 0}
         emitted = chunks = 0
-        async for _, k in _steps(self._gens):
+        async for _, k in engine_steps(self._gens):
             start, emitted = emitted, min(emitted + k, seq.output_tokens)
             parts: list[bytes] = []
             if start == 0:

@@ -45,12 +45,16 @@ class EngineDead(RuntimeError):
 
 
 class Generation:
-    """One submitted request. Iterate it for the tokens of each engine step; ``abort()`` when the client leaves."""
+    """One submitted request. Iterate it for the tokens of each engine step; ``abort()`` when the client leaves.
+
+    The engine's batch mechanics (``batch.Batch``) read and advance its scheduling fields: ``computed`` (tokens whose
+    KV is computed), ``prefill_target``, ``blocks`` (KV blocks held), ``output_tokens``; they hand it tokens through
+    ``bursts``/``waiter`` (``push``, inlined on the hot path) and finish it with ``end``."""
 
     __slots__ = (
-        "_aborted", "_blocks", "_bursts", "_computed", "_done", "_engine", "_finish_fut", "_out", "_target", "_waiter",
-        "acceptance", "arrival", "finished", "finished_reason", "first_token", "last_token", "num_preemptions",
-        "request", "request_id", "scheduled", "spec", "tokens",
+        "_engine", "_finish_fut", "aborted", "acceptance", "arrival", "blocks", "bursts", "computed", "done",
+        "finished", "finished_reason", "first_token", "last_token", "num_preemptions", "output_tokens",
+        "prefill_target", "request", "request_id", "scheduled", "spec", "tokens", "waiter",
     )  # fmt: skip
 
     def __init__(self, engine: AbortSink, req: GenRequest, arrival: float, k: int) -> None:
@@ -67,37 +71,37 @@ class Generation:
         self.finished: float | None = None
         self.tokens = 0  # emitted so far
         self.num_preemptions = 0
-        self._out = req.output_tokens
-        self._computed = 0  # tokens whose KV is computed
-        self._target = req.prompt_tokens  # prefill target: prompt (+ tokens made before a preemption)
-        self._blocks = 0  # KV blocks held
-        self._bursts: deque[int] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self.output_tokens = req.output_tokens
+        self.computed = 0  # tokens whose KV is computed
+        self.prefill_target = req.prompt_tokens  # prefill target: prompt (+ tokens made before a preemption)
+        self.blocks = 0  # KV blocks held
+        self.bursts: deque[int] = deque()
+        self.waiter: asyncio.Future[None] | None = None
         self._finish_fut: asyncio.Future[None] | None = None
-        self._done = False
-        self._aborted = False
+        self.done = False
+        self.aborted = False
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[int]:
-        bursts = self._bursts
+        bursts = self.bursts
         while True:
             if bursts:
                 yield bursts.popleft()
                 continue
-            if self._done:
+            if self.done:
                 return
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiter = fut
+            self.waiter = fut
             try:
                 await fut
             finally:
-                self._waiter = None
+                self.waiter = None
 
     async def wait(self) -> None:
         """Until the generation has finished (without consuming its bursts)."""
-        if self._done:
+        if self.done:
             return
         if self._finish_fut is None:
             self._finish_fut = asyncio.get_running_loop().create_future()
@@ -105,23 +109,23 @@ class Generation:
 
     def abort(self) -> None:
         """The client went away: the sequence leaves the batch at the next step (``finished_reason`` "abort")."""
-        if self._done:
+        if self.done:
             return
-        self._aborted = True
+        self.aborted = True
         engine = self._engine
-        self._end("abort", engine.now())
+        self.end("abort", engine.now())
         engine.note_abort()
 
-    def _push(self, n: int) -> None:
-        self._bursts.append(n)
-        w = self._waiter
+    def push(self, n: int) -> None:
+        self.bursts.append(n)
+        w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _end(self, reason: str, t: float) -> None:
+    def end(self, reason: str, t: float) -> None:
         self.finished_reason = reason
         self.finished = t
-        self._done = True
-        for fut in (self._waiter, self._finish_fut):
+        self.done = True
+        for fut in (self.waiter, self._finish_fut):
             if fut is not None and not fut.done():
                 fut.set_result(None)

@@ -24,7 +24,7 @@ import uvicorn
 from gateway.sim.app import SimOptions, SimState, create_sim_app, sim_state
 from gateway.sim.faults import Faults, parse_metrics_mode
 from gateway.sim.presets import preset_names
-from gateway.sim.tuning import PHYSICS_KEYS, _acceptance_overrides, acceptance_model, physics_options
+from gateway.sim.tuning import PHYSICS_KEYS, acceptance_model, acceptance_overrides, physics_options
 from gateway.sim.wire import OutputLengths
 
 __all__ = ["PHYSICS_KEYS", "SimServer", "acceptance_model", "physics_options", "run_sim", "sim_command"]
@@ -397,7 +397,7 @@ def sim_command(
             preset=preset,
             time_scale=time_scale,
             acceptance=acceptance_model(
-                _acceptance_overrides(
+                acceptance_overrides(
                     acceptance_points, acceptance_floor, acceptance_concentration, task_factor, method_factor
                 )
             ),

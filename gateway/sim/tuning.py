@@ -89,7 +89,7 @@ def acceptance_model(overrides: Mapping[str, Any]) -> AcceptanceModel:
     return dataclasses.replace(base, **changes)
 
 
-def _acceptance_overrides(
+def acceptance_overrides(
     points: str | None,
     floor: float | None,
     concentration: float | None,

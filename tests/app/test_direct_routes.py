@@ -1,7 +1,9 @@
-"""``GatewayApp``'s direct way to the proxy routes answers exactly as Starlette's stack would, errors included."""
+"""``GatewayApp``: the proxy POSTs go to a plain ASGI exchange, answering exactly as Starlette's stack would (errors
+included); everything else goes to Starlette."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,10 +12,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.config.settings import Settings
 from gateway.errors import BadRequest
-from gateway.proxy.app import GatewayApp, Handler, exception_handlers
+from gateway.proxy import app as app_module
+from gateway.proxy.app import PROXY_ROUTES, GatewayApp, create_app
+from gateway.proxy.http import exception_handlers
+from gateway.proxy.intake import ProxyRoute
+
+RULES = Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"
+PATH = "/v1/chat/completions"
 
 
 class _StartsThenFails(Response):
@@ -28,57 +37,59 @@ class _StartsThenFails(Response):
         raise self.exc
 
 
-def _handler(behaviour: str) -> Handler:
-    async def handler(request: Request) -> Response:
-        if behaviour == "ok":
-            return Response(b"hello", 201, headers={"x-b": "2"})
-        if behaviour == "gateway_error":
-            raise BadRequest("bad thing", code="bad")
-        if behaviour == "http_404":
-            raise HTTPException(404)
-        if behaviour == "http_418":
-            raise HTTPException(418, "teapot")
-        if behaviour == "client_gone":
-            raise ClientDisconnect()
-        if behaviour == "bug":
-            raise ValueError("boom")
-        if behaviour == "started_then_gateway_error":
-            return _StartsThenFails(BadRequest("late"))
-        if behaviour == "started_then_bug":
-            return _StartsThenFails(ValueError("late boom"))
-        raise AssertionError(behaviour)
-
-    return handler
+def _answer(behaviour: str) -> ASGIApp:
+    """What the proxy route's front half does: return the app that answers, or raise."""
+    if behaviour == "ok":
+        return Response(b"hello", 201, headers={"x-b": "2"})
+    if behaviour == "gateway_error":
+        raise BadRequest("bad thing", code="bad")
+    if behaviour == "http_404":
+        raise HTTPException(404)
+    if behaviour == "http_418":
+        raise HTTPException(418, "teapot")
+    if behaviour == "client_gone":
+        raise ClientDisconnect()
+    if behaviour == "bug":
+        raise ValueError("boom")
+    if behaviour == "started_then_gateway_error":
+        return _StartsThenFails(BadRequest("late"))
+    if behaviour == "started_then_bug":
+        return _StartsThenFails(ValueError("late boom"))
+    raise AssertionError(behaviour)
 
 
-BEHAVIOURS = [
-    "ok",
-    "gateway_error",
-    "http_404",
-    "http_418",
-    "client_gone",
-    "bug",
-    "started_then_gateway_error",
-    "started_then_bug",
-]
+BEFORE_START = ["ok", "gateway_error", "http_404", "http_418", "client_gone", "bug"]
+AFTER_START = ["started_then_gateway_error", "started_then_bug"]
 
 
-def _apps(behaviour: str) -> tuple[GatewayApp, Starlette]:
-    handler = _handler(behaviour)
-    routes = [Route("/v1/chat/completions", handler, methods=["POST"])]
-    direct = GatewayApp({"/v1/chat/completions": handler}, routes=routes, exception_handlers=exception_handlers())
-    plain = Starlette(routes=routes, exception_handlers=exception_handlers())
-    return direct, plain
+def _apps(behaviour: str, monkeypatch: pytest.MonkeyPatch) -> tuple[GatewayApp, Starlette]:
+    """The dispatcher with ``behaviour`` as its proxy route's front half, and a plain Starlette app routing the same
+    behaviour through its router, middleware and the gateway's exception handlers."""
+
+    async def admit(rt: Any, route: ProxyRoute, scope: Scope, receive: Receive) -> ASGIApp:
+        assert route.path == PATH
+        return _answer(behaviour)
+
+    async def endpoint(request: Request) -> Response:
+        answer = _answer(behaviour)
+        assert isinstance(answer, Response)
+        return answer
+
+    monkeypatch.setattr(app_module, "admit", admit)
+    others = Starlette(routes=[Route("/health", endpoint, methods=["GET"])], exception_handlers=exception_handlers())
+    dispatcher = GatewayApp(None, [ProxyRoute(PATH, "chat")], others)  # type: ignore[arg-type]
+    plain = Starlette(routes=[Route(PATH, endpoint, methods=["POST"])], exception_handlers=exception_handlers())
+    return dispatcher, plain
 
 
 async def _call(
-    app: Starlette, root_path: str = "", path: str = "/v1/chat/completions"
+    app: ASGIApp, root_path: str = "", path: str = PATH, method: str = "POST"
 ) -> tuple[Scope, list[Message], Exception | None]:
     scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
@@ -103,75 +114,88 @@ async def _call(
     return scope, sent, None
 
 
-def _same_error(a: Exception | None, b: Exception | None) -> None:
-    assert type(a) is type(b)
-    assert str(a) == str(b)
-    if a is not None and b is not None:
-        assert type(a.__cause__) is type(b.__cause__)
-
-
-@pytest.mark.parametrize("behaviour", BEHAVIOURS)
-async def test_direct_route_answers_as_starlette_does(behaviour: str) -> None:
-    direct, plain = _apps(behaviour)
-    d_scope, d_sent, d_err = await _call(direct)
+@pytest.mark.parametrize("behaviour", BEFORE_START)
+async def test_the_proxy_route_answers_as_starlette_does(behaviour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher, plain = _apps(behaviour, monkeypatch)
+    d_scope, d_sent, d_err = await _call(dispatcher)
     p_scope, p_sent, p_err = await _call(plain)
-    assert "endpoint" not in d_scope  # the direct way: Starlette's router never saw it
+    assert "endpoint" not in d_scope  # Starlette's router never saw it
     assert p_scope["endpoint"] is not None
     assert d_sent == p_sent
-    _same_error(d_err, p_err)
+    assert type(d_err) is type(p_err)
+    assert str(d_err) == str(p_err)
 
 
-async def test_error_envelopes_on_the_direct_route() -> None:
-    _, sent, err = await _call(_apps("bug")[0])
+@pytest.mark.parametrize("behaviour", AFTER_START)
+async def test_an_error_after_the_start_goes_to_the_server(behaviour: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing more can be sent once the response started: the exception goes to the server (which logs it and
+    closes the connection), as with Starlette, which raises a RuntimeError in its place for a handled class."""
+    dispatcher, plain = _apps(behaviour, monkeypatch)
+    _, d_sent, d_err = await _call(dispatcher)
+    _, p_sent, p_err = await _call(plain)
+    assert d_sent == p_sent == [{"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}]
+    assert p_err is not None
+    assert isinstance(d_err, BadRequest | ValueError)
+    assert str(d_err).startswith("late")
+
+
+async def test_error_envelopes_on_the_proxy_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, sent, err = await _call(_apps("bug", monkeypatch)[0])
     assert isinstance(err, ValueError)  # raised again, for the server's log
     assert sent[0]["status"] == 500
     assert b'"type":"internal_error"' in sent[1]["body"]
-    _, sent, err = await _call(_apps("gateway_error")[0])
+    assert b"boom" not in sent[1]["body"]
+    _, sent, err = await _call(_apps("gateway_error", monkeypatch)[0])
     assert err is None
     assert sent[0]["status"] == 400
-    _, sent, err = await _call(_apps("client_gone")[0])
+    _, sent, err = await _call(_apps("client_gone", monkeypatch)[0])
     assert err is None
     assert sent[0]["status"] == 499
 
 
-async def test_a_root_path_goes_through_starlette() -> None:
-    scope, sent, err = await _call(_apps("ok")[0], root_path="/gw", path="/gw/v1/chat/completions")
-    assert "endpoint" in scope
+async def test_another_method_on_a_proxy_path_is_405_as_starlette_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher, plain = _apps("ok", monkeypatch)
+    for method in ("GET", "HEAD", "PUT", "DELETE"):
+        _, d_sent, d_err = await _call(dispatcher, method=method)
+        _, p_sent, p_err = await _call(plain, method=method)
+        assert d_err is None
+        assert p_err is None
+        assert d_sent == p_sent
+        assert d_sent[0]["status"] == 405
+        assert (b"allow", b"POST") in d_sent[0]["headers"]
+        assert b'"code":"method_not_allowed"' in d_sent[1]["body"]
+
+
+async def test_a_root_path_is_stripped_as_the_router_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher = _apps("ok", monkeypatch)[0]
+    scope, sent, err = await _call(dispatcher, root_path="/gw", path="/gw" + PATH)
+    assert "endpoint" not in scope  # the exchange, not the router
     assert err is None
+    assert sent[0]["status"] == 201
+    for root, path in [("/gw", "/gwx" + PATH), ("/gw", PATH + "/x")]:  # not under the mount point, or deeper
+        scope, sent, err = await _call(dispatcher, root_path=root, path=path)
+        assert sent[0]["status"] == 404
+    scope, sent, err = await _call(dispatcher, root_path="/gw", path="/gw/health", method="GET")
+    assert scope["endpoint"] is not None  # everything else: Starlette
     assert sent[0]["status"] == 201
 
 
-async def test_an_app_built_differently_goes_through_starlette() -> None:
-    """The direct way in mirrors Starlette's stack only for the app create_app builds: with debug pages, a body
-    limit, middleware or no last-resort handler, every request takes Starlette's path."""
-    direct = _apps("ok")[0]
-    scope, _sent, _err = await _call(direct)
-    assert "endpoint" not in scope  # the direct way in: the router never saw it
-    handler = _handler("ok")
-    routes = [Route("/v1/chat/completions", handler, methods=["POST"])]
-    handlers = exception_handlers()
-    variants = [
-        GatewayApp({"/v1/chat/completions": handler}, routes=routes, exception_handlers=handlers, debug=True),
-        GatewayApp({"/v1/chat/completions": handler}, routes=routes, exception_handlers=handlers, max_body_size=10**6),
-        GatewayApp(
-            {"/v1/chat/completions": handler},
-            routes=routes,
-            exception_handlers={k: v for k, v in handlers.items() if k is not Exception},
-        ),
-    ]
-    for app in variants:
-        scope, sent, err = await _call(app)
-        assert "endpoint" in scope
-        assert err is None
-        assert sent[0]["status"] == 201
+async def test_everything_else_goes_to_starlette(monkeypatch: pytest.MonkeyPatch) -> None:
+    dispatcher = _apps("ok", monkeypatch)[0]
+    scope, sent, _ = await _call(dispatcher, path="/health", method="GET")
+    assert scope["endpoint"] is not None
+    assert sent[0]["status"] == 201
+    scope, sent, _ = await _call(dispatcher, path="/v1/nope")
+    assert "app" in scope  # Starlette saw it: its 404, rendered by the same handlers
+    assert sent[0]["status"] == 404
+    assert b'"code":"unknown_route"' in sent[1]["body"]
 
 
-def test_the_gateway_as_built_takes_the_direct_way() -> None:
-    from pathlib import Path
-
-    from gateway.config.settings import Settings
-    from gateway.proxy.app import create_app
-
-    app = create_app(Settings(rules=Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"))
+def test_the_gateway_as_built_forwards_the_table_of_proxy_routes() -> None:
+    app = create_app(Settings(rules=RULES))
     assert isinstance(app, GatewayApp)
-    assert app._direct_ok()
+    assert set(app.proxy_routes) == {r.path for r in PROXY_ROUTES}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= set(app.proxy_routes)
+    assert app.state.runtime is app.runtime
+    starlette_paths = {getattr(r, "path", None) for r in app.starlette.routes}
+    assert not starlette_paths & set(app.proxy_routes)  # one way in per path: they cannot answer differently

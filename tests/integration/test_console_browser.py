@@ -331,7 +331,18 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
 
 def test_read_only_without_a_token(gw_readonly: Serve, page: Any) -> None:
     expect = sync_api.expect
+    cluster = {"enabled": True, "replica": "r1", "role": "follower", "leader": "r0", "snapshot_age_s": 0.4}
+
+    def as_follower(route: Any) -> None:  # this replica's state as a cluster follower would report it
+        state = route.fetch().json()
+        assert state["cluster"] == {"enabled": False, "role": "local"}
+        route.fulfill(json={**state, "cluster": {**cluster, "stale_after_s": 3.0, "contributions": {}}})
+
+    page.route("**/admin/state", as_follower)
     page.goto(gw_readonly.ui)
+    expect(page.locator("#cluster-summary")).to_have_text("cluster: r1 follows r0 · snapshot 0.4s old")
+    page.unroute("**/admin/state")
+    expect(page.locator("#cluster-summary")).to_have_text("")
     expect(page.locator('article[data-pool="spec"]')).to_be_visible()
     expect(page.locator('article[data-pool="std"]')).to_be_visible()
     expect(page.locator("#login")).to_be_hidden()

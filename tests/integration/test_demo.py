@@ -3,6 +3,7 @@ the package), and a SIGTERM (docker stop, a supervisor) takes its simulated serv
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -63,5 +64,65 @@ def test_demo_serves_and_sigterm_stops_its_simulated_servers(tmp_path: Path) -> 
         assert not any(_alive(p) for p in sims)
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _exports(banner: str) -> dict[str, str]:
+    """The ``export NAME=VALUE`` lines of the demo's banner (a trailing comment dropped)."""
+    found: dict[str, str] = {}
+    for line in banner.splitlines():
+        words = line.split("#", 1)[0].split()
+        if len(words) == 2 and words[0] == "export":
+            name, _, value = words[1].partition("=")
+            found[name] = value
+    return found
+
+
+def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        for line in proc.stdout:
+            banner += line
+            if line.startswith("Ctrl-C"):
+                break
+        exports = _exports(banner)
+        assert set(exports) == {"SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL"}, banner
+        assert len(exports["SPECGATE_ADMIN_TOKEN"]) >= 32
+        assert exports["SPECGATE_ADMIN_URL"] == f"http://127.0.0.1:{port + 1}"
+        wait_for_port(port + 1, 60.0)
+
+        def specgate(*args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
+            run_env = {**env, **exports}
+            if not token:
+                del run_env["SPECGATE_ADMIN_TOKEN"]
+            cmd = [sys.executable, "-m", "gateway", *args]
+            return subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=60, check=False)
+
+        refused = specgate("weight", "speculative", "0.5", "--reason", "demo", "--ttl", "1m", token=False)
+        assert refused.returncode != 0  # a change needs the token: the export line is what makes it work
+        changed = specgate("weight", "speculative", "0.5", "--reason", "demo", "--ttl", "1m")
+        assert changed.returncode == 0, changed.stdout + changed.stderr
+        listed = specgate("overrides", "--json")
+        assert listed.returncode == 0, listed.stderr
+        overrides = json.loads(listed.stdout)["overrides"]
+        expected = [("pool_weight", "speculative", 0.5)]
+        assert [(o["kind"], o["pool"], o["value"]) for o in overrides] == expected, overrides
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

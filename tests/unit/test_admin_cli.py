@@ -310,10 +310,10 @@ def test_pools_table_from_the_real_state(real: tuple[str, Runtime]) -> None:
     r = invoke("pools", "--url", url)
     assert r.exit_code == 0, r.output
     header = words(r.output)[2]
-    assert header[:4] == ["pool", "kind", "endpoint", "healthy"]
+    assert header[:5] == ["pool", "kind", "endpoint", "state", "weight"]
     rows = {w[0]: w for w in words(r.output) if w and w[0] in POOLS}
-    assert rows["spec"][:5] == ["spec", "speculative", "spec-0", "yes", "1"]
-    assert rows["std"][:5] == ["std", "standard", "std-0", "yes", "1"]
+    assert rows["spec"][:5] == ["spec", "speculative", "spec-0", "ok", "1"]
+    assert rows["std"][:5] == ["std", "standard", "std-0", "ok", "1"]
     assert "config " in r.output
     r = invoke("pools", "--url", url, "--json")
     assert r.exit_code == 0
@@ -363,8 +363,8 @@ def test_on_call_changes_end_to_end_against_the_real_app(tmp_path: Path) -> None
         r = invoke("pools", "--url", url)
         assert r.exit_code == 0, r.output
         rows = {w[0]: w for w in words(r.output) if w and w[0] in POOLS}
-        assert rows["spec"][:6] == ["spec", "speculative", "spec-0", "yes", "1", "0"]  # configured 1, effective 0
-        assert rows["std"][:3] == ["std", "standard", "(drained)"]
+        assert rows["spec"][:5] == ["spec", "speculative", "spec-0", "ok", "1→0"]  # configured 1, effective 0
+        assert rows["std"][:4] == ["std", "standard", "std-0", "drained"]
         r = invoke("overrides", "--url", url, "--json")
         active = {o["kind"]: o for o in orjson.loads(r.stdout)["overrides"]}
         assert set(active) == {"pool_weight", "drain", "class_route"}

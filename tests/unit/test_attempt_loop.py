@@ -1,4 +1,4 @@
-"""The real attempt loop (``ProxyResponse``) against scripted in-process pools, over random fault sequences.
+"""The real attempt loop (``ProxyExchange``) against scripted in-process pools, over random fault sequences.
 
 Every upstream attempt answers according to a script (one fault per attempt, in order); each byte an attempt
 sends is tagged with the attempt's number, so the client's response shows which attempts it contains. Properties:
@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,11 +25,12 @@ from multidict import CIMultiDict
 from gateway.config.schema import Defaults, OutlierDetection, Pool
 from gateway.config.schema import RetryBudget as RetryBudgetSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
+from gateway.fleet.h1client import ConnectionBroken
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
-from gateway.proxy.forward import ProxyJob, ProxyResponse
+from gateway.proxy.forward import ProxyExchange, ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.plan import Plan
@@ -69,7 +69,7 @@ class _Content:
 
 
 class FakeRaw:
-    """The part of ``aiohttp.ClientResponse`` the gateway uses."""
+    """A pool's response as the gateway reads it (``gateway.fleet.upstream.RawResponse``)."""
 
     def __init__(self, status: int, ctype: str, parts: list[bytes | BaseException]) -> None:
         self.status = status
@@ -142,7 +142,7 @@ class FakeClient:
             raw = FakeRaw(status, "application/json", [body])
         elif not stream:
             if fault.startswith("cut_after") or fault in ("error_event_first", "closed_before_first"):
-                raw = FakeRaw(200, "application/json", [aiohttp.ClientPayloadError("cut")])
+                raw = FakeRaw(200, "application/json", [ConnectionBroken("cut")])
             else:  # ok, not_sse
                 raw = FakeRaw(200, "application/json", [orjson.dumps({"attempt": n, "choices": []})])
         elif fault == "not_sse":
@@ -154,7 +154,7 @@ class FakeClient:
         elif fault.startswith("cut_after"):
             k = int(fault.rsplit("_", 1)[1])
             parts = [_event(n, j) for j in range(k)]
-            raw = FakeRaw(200, "text/event-stream", [*parts, aiohttp.ClientPayloadError("cut")])
+            raw = FakeRaw(200, "text/event-stream", [*parts, ConnectionBroken("cut")])
         else:  # ok
             parts = [_event(n, j) for j in range(3)]
             raw = FakeRaw(200, "text/event-stream", [*parts, b"data: [DONE]\n\n"])
@@ -209,7 +209,7 @@ async def _run(
         extra_headers=[],
         parsed=body if stream else None,
     )
-    response = ProxyResponse(
+    response = ProxyExchange(
         job,
         pools,
         clients,

@@ -147,7 +147,7 @@ async def test_the_worker_factory_merges_and_withdraws_its_gauges_at_shutdown(
     app = create_app_from_env()
     metrics: GatewayMetrics = app.state.runtime.metrics
     assert metrics.shared_dir == str(shared)
-    async with app.router.lifespan_context(app):
+    async with app.starlette.router.lifespan_context(app.starlette):
         metrics.in_flight.labels("spec").inc()
         # livesum: in-flight requests; livemin: specgate_store_up (gateway/store/health.py); livemax:
         # specgate_config_info (gateway/runtime/reload.py)

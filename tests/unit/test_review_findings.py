@@ -44,9 +44,9 @@ def _live(previous: LiveConfig | None = None) -> LiveConfig:
 def test_in_flight_returns_to_zero_across_a_config_swap() -> None:
     old = _live()
     ep_old: EndpointState = old.pools["spec"].endpoints[0]
-    ep_old.in_flight += 1  # a request is in flight (ProxyResponse holds ep_old)
+    ep_old.in_flight += 1  # a request is in flight (ProxyExchange holds ep_old)
     new = _live(previous=old)
-    ep_old.in_flight -= 1  # ... and finishes after the swap (ProxyResponse._cleanup)
+    ep_old.in_flight -= 1  # ... and finishes after the swap (ProxyExchange._cleanup)
     assert new.pools["spec"].endpoints[0].in_flight == 0
 
 
@@ -95,7 +95,7 @@ def test_sse_splitter_is_linear_in_the_size_of_one_event() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Unexpected exceptions inside ProxyResponse (in-process app, upstream stubbed at the PoolClient seam)
+# Unexpected exceptions inside ProxyExchange (in-process app, upstream stubbed at the PoolClient seam)
 
 
 class _RawStub:

@@ -47,6 +47,21 @@ export function renderHeader(state, ctx) {
     ovr.last_error ? ` (overrides: ${ovr.last_error})` : "",
     idem.healthy === false && idem.last_error ? ` (${idem.last_error})` : "",
   );
+  const cl = state.cluster;
+  const clusterEl = document.getElementById("cluster-summary");
+  if (cl && cl.enabled) {
+    // leader: scrapes and publishes; follower: routes on the leader's snapshot; local: on its own numbers
+    const age = cl.snapshot_age_s === null || cl.snapshot_age_s === undefined ? "" : ` · snapshot ${num(cl.snapshot_age_s, 1)}s old`;
+    const what =
+      cl.role === "leader"
+        ? `${cl.replica} leads`
+        : cl.role === "follower"
+          ? `${cl.replica} follows ${cl.leader || "?"}`
+          : `${cl.replica} routes on its own numbers (no fresh snapshot)`;
+    swap(clusterEl, h("span", { class: `dot ${cl.role === "local" ? "bad" : "ok"}`, "aria-hidden": "true" }), `cluster: ${what}${age}`);
+  } else {
+    swap(clusterEl);
+  }
   const cfg = document.getElementById("config");
   const row = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
   swap(

@@ -27,7 +27,13 @@ from gateway.testing.fake_upstream.behavior import (
     Kind,
     parse_behavior,
 )
-from gateway.testing.fake_upstream.generation import _error, _Generation, _Job, _json, _prompt_tokens
+from gateway.testing.fake_upstream.generation import (
+    FakeGeneration,
+    Job,
+    count_prompt_tokens,
+    error_response,
+    json_response,
+)
 from gateway.testing.fake_upstream.state import FakeState
 
 MAX_MODEL_LEN = 8192
@@ -77,7 +83,7 @@ class _FakeApp(Starlette):
         key = self.fake.config.api_key
         protected = key is not None and path.startswith("/v1") and scope["method"] != "OPTIONS"
         if protected and headers.get("authorization") != f"Bearer {key}":
-            await _json({"error": "Unauthorized"}, 401)(scope, receive, send)
+            await json_response({"error": "Unauthorized"}, 401)(scope, receive, send)
             return
 
         replayed = False
@@ -111,9 +117,9 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            return _error(400, f"Invalid JSON body: {exc}", "BadRequestError")
+            return error_response(400, f"Invalid JSON body: {exc}", "BadRequestError")
         if not isinstance(body, dict):
-            return _error(400, "The request body must be a JSON object.", "BadRequestError")
+            return error_response(400, "The request body must be a JSON object.", "BadRequestError")
         return body
 
     def resolve_model(body: dict[str, Any]) -> str | Response:
@@ -121,7 +127,7 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
         if model is None:
             return config.models[0]
         if not isinstance(model, str) or model not in config.models:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return model
 
     async def admit(request: Request, kind: Kind) -> Response:
@@ -132,30 +138,30 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
         try:
             behavior = behavior_of(request)
         except ValueError as exc:
-            return _error(400, str(exc), "BadRequestError")
+            return error_response(400, str(exc), "BadRequestError")
         if behavior.status is not None:
-            return _error(behavior.status, f"Injected {behavior.status} (X-Fake-Behavior).")
+            return error_response(behavior.status, f"Injected {behavior.status} (X-Fake-Behavior).")
         model = resolve_model(body)
         if isinstance(model, Response):
             return model
         stream = body.get("stream") is True
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream:
-            return _error(
+            return error_response(
                 400, "Stream options can only be defined when `stream=True`.", "BadRequestError", "stream_options"
             )
         if stream_options is not None and not isinstance(stream_options, dict):
-            return _error(400, "stream_options must be an object.", "BadRequestError", "stream_options")
+            return error_response(400, "stream_options must be an object.", "BadRequestError", "stream_options")
         options: dict[str, Any] = stream_options or {}
         inputs: list[str] = []
         if kind == "chat" and not isinstance(body.get("messages"), list):
-            return _error(400, "Field required: messages", "BadRequestError", "messages")
+            return error_response(400, "Field required: messages", "BadRequestError", "messages")
         if kind == "completion" and body.get("prompt") is None:
-            return _error(400, "Field required: prompt", "BadRequestError", "prompt")
+            return error_response(400, "Field required: prompt", "BadRequestError", "prompt")
         if kind == "embedding":
             raw_input = body.get("input")
             if raw_input is None:
-                return _error(400, "Field required: input", "BadRequestError", "input")
+                return error_response(400, "Field required: input", "BadRequestError", "input")
             items = raw_input if isinstance(raw_input, list) and not _is_token_list(raw_input) else [raw_input]
             inputs = [i if isinstance(i, str) else orjson.dumps(i).decode() for i in items]
             stream = False
@@ -163,10 +169,10 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            return _error(400, "max_tokens must be at least 1.", "BadRequestError", "max_tokens")
+            return error_response(400, "max_tokens must be at least 1.", "BadRequestError", "max_tokens")
         natural = behavior.tokens if behavior.tokens is not None else config.tokens
         tokens = natural if max_tokens is None else min(natural, max_tokens)
-        job = _Job(
+        job = Job(
             kind=kind,
             model=model,
             stream=stream,
@@ -174,7 +180,7 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
             finish_reason="length" if max_tokens is not None and max_tokens < natural else "stop",
             include_usage=bool(options.get("include_usage")),
             continuous_usage=bool(options.get("include_usage")) and bool(options.get("continuous_usage_stats")),
-            prompt_tokens=_prompt_tokens(kind, body),
+            prompt_tokens=count_prompt_tokens(kind, body),
             behavior=behavior,
             first_token_delay=(
                 behavior.first_token_delay if behavior.first_token_delay is not None else config.first_token_delay_s
@@ -182,7 +188,7 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
             token_delay=behavior.token_delay if behavior.token_delay is not None else config.token_delay_s,
             inputs=inputs,
         )
-        return _Generation(state, job)
+        return FakeGeneration(state, job)
 
     async def chat_completions(request: Request) -> Response:
         return await admit(request, "chat")
@@ -192,17 +198,17 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
 
     async def embeddings(request: Request) -> Response:
         if not config.embeddings:
-            return _error(404, "The model does not support Embeddings API", "NotFoundError")
+            return error_response(404, "The model does not support Embeddings API", "NotFoundError")
         return await admit(request, "embedding")
 
     async def models(request: Request) -> Response:
-        return _json(model_list(config.models, created=state.created, max_model_len=MAX_MODEL_LEN))
+        return json_response(model_list(config.models, created=state.created, max_model_len=MAX_MODEL_LEN))
 
     async def health(request: Request) -> Response:
         return Response(b"", status_code=state.health_status)
 
     async def version(request: Request) -> Response:
-        return _json({"version": VLLM_VERSION})
+        return json_response({"version": VLLM_VERSION})
 
     async def metrics(request: Request) -> Response:
         return Response(state.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -212,10 +218,10 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
             state.requests.clear()
             return Response(b"", status_code=204)
         path = request.query_params.get("path")
-        return _json([r for r in state.requests if path is None or r["path"] == path])
+        return json_response([r for r in state.requests if path is None or r["path"] == path])
 
     async def fake_stats(request: Request) -> Response:
-        return _json(state.stats())
+        return json_response(state.stats())
 
     async def fake_behavior(request: Request) -> Response:
         if request.method == "PUT":
@@ -227,19 +233,20 @@ def create_fake_upstream(config: FakeConfig) -> Starlette:
                 try:
                     parse_behavior(default)
                 except (ValueError, AttributeError) as exc:
-                    return _error(400, str(exc), "BadRequestError", "default")
+                    return error_response(400, str(exc), "BadRequestError", "default")
                 state.default_behavior = default
             if "health_status" in parsed:
                 status = parsed["health_status"]
                 if not isinstance(status, int) or not 100 <= status <= 599:
-                    return _error(400, "health_status must be an HTTP status.", "BadRequestError", "health_status")
+                    message = "health_status must be an HTTP status."
+                    return error_response(400, message, "BadRequestError", "health_status")
                 state.health_status = status
-        return _json({"default": state.default_behavior, "health_status": state.health_status})
+        return json_response({"default": state.default_behavior, "health_status": state.health_status})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException) and exc.status_code == 405:
-            return _json({"detail": "Method Not Allowed"}, 405)
-        return _json({"detail": "Not Found"}, 404)
+            return json_response({"detail": "Method Not Allowed"}, 405)
+        return json_response({"detail": "Not Found"}, 404)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -1,6 +1,6 @@
-"""The response of one admitted generation or embedding request: ``_Generation`` (an ASGI response that
+"""The response of one admitted generation or embedding request: ``FakeGeneration`` (an ASGI response that
 sleeps, emits tokens, injects the requested failure, notices the client going away and books how it ended in
-``FakeState``), its ``_Job`` description, the JSON/error response helpers and the deterministic token,
+``FakeState``), its ``Job`` description, the JSON/error response helpers and the deterministic token,
 embedding and prompt-token helpers.
 """
 
@@ -37,12 +37,12 @@ EMBEDDING_DIM = 8
 # Responses
 
 
-def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-def _error(status: int, message: str, type_: str | None = None, param: str | None = None) -> Response:
-    return _json(_error_body(status, message, type_, param), status)
+def error_response(status: int, message: str, type_: str | None = None, param: str | None = None) -> Response:
+    return json_response(_error_body(status, message, type_, param), status)
 
 
 class _InjectedBreak(Exception):
@@ -57,7 +57,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 @dataclass
-class _Job:
+class Job:
     kind: Kind
     model: str
     stream: bool
@@ -72,12 +72,12 @@ class _Job:
     inputs: list[str] = field(default_factory=list)  # embeddings
 
 
-class _Generation(Response):
+class FakeGeneration(Response):
     """The ASGI response of one admitted request: delays, tokens, injected failures, and the bookkeeping of
     how it ended. A watcher on ``receive`` notices the client going away at once (uvicorn reports
     ``http.disconnect`` when the socket closes) and cancels the producer, whatever it was awaiting."""
 
-    def __init__(self, state: FakeState, job: _Job) -> None:
+    def __init__(self, state: FakeState, job: Job) -> None:
         super().__init__()
         self._state = state
         self._job = job
@@ -329,7 +329,7 @@ def _words(value: Any) -> int:
     return 0
 
 
-def _prompt_tokens(kind: Kind, body: dict[str, Any]) -> int:
+def count_prompt_tokens(kind: Kind, body: dict[str, Any]) -> int:
     if kind == "chat":
         messages = body.get("messages") or []
         return max(1, sum(4 + _words(m) for m in messages if isinstance(m, dict)))

@@ -1,0 +1,182 @@
+"""The front half of a proxied POST: from the client's request to the ASGI app that answers it.
+
+``admit`` authenticates, reads the body (counted against the size limit), classifies and plans it
+(``gateway.routing.decision``), and claims its Idempotency-Key. What it returns answers the client: an error
+envelope, a stored response replayed, or a ``ProxyExchange`` (``gateway.proxy.forward``) that runs the attempts.
+It works on the raw ASGI scope and receive: no Starlette request, router or middleware on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope
+
+from gateway.errors import BadRequest, GatewayError
+from gateway.observability.acceptance import temperature_band
+from gateway.observability.metrics import Outcome
+from gateway.proxy.dialect import CHAT, ResponsesDialect
+from gateway.proxy.forward import ProxyExchange, ProxyJob
+from gateway.proxy.headers import request_id
+from gateway.proxy.http import error_response, parse_object, read_body
+from gateway.proxy.limits import check_json_depth
+from gateway.proxy.idempotency import (
+    KEY_HEADER,
+    KeyClaim,
+    Replay,
+    begin,
+    fingerprint,
+    parse_key,
+    store_key,
+    tenant_scope,
+)
+from gateway.proxy.record import RequestRecord
+from gateway.proxy.responses import Sticky, for_create
+from gateway.routing.classify import TASK_HEADER, Endpoint
+from gateway.routing.decision import decide
+from gateway.runtime.container import Runtime
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRoute:
+    """A POST path the gateway forwards to a pool, and how its body is decided: ``endpoint`` names the request shape
+    the classifier reads the routing features from (``None``: not classified; the YAML's embeddings pool answers)."""
+
+    path: str
+    endpoint: Endpoint | None
+
+
+# The request headers ``admit`` reads, found in one pass over the raw list (first value; every Idempotency-Key).
+_WANTED = frozenset({"x-request-id", "authorization", "content-length", TASK_HEADER, KEY_HEADER})
+
+
+def _headers(scope: Scope) -> tuple[list[tuple[str, str]], dict[str, str], list[str]]:
+    """The client's headers decoded (in order, as sent), the ones ``admit`` reads, its Idempotency-Keys."""
+    items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+    wanted: dict[str, str] = {}
+    keys: list[str] = []
+    for k, v in items:
+        if k in _WANTED:
+            if k == KEY_HEADER:
+                keys.append(v)
+            if k not in wanted:
+                wanted[k] = v
+    return items, wanted, keys
+
+
+def outcome_for(status: int) -> Outcome:
+    """The ``outcome`` label of a request the gateway refused with ``status``."""
+    if status == 503:
+        return "no_capacity"
+    if status >= 500:
+        return "gateway_error"
+    return "client_error"
+
+
+def _refused(rt: Runtime, exc: GatewayError, rec: RequestRecord, extra: list[tuple[str, str]]) -> Response:
+    rec.status, rec.error = exc.status, exc.message
+    rec.finish(outcome_for(exc.status), rt.metrics, rt.access_log)
+    return error_response(exc, "POST", rec.path, extra)
+
+
+def _replay(rt: Runtime, replay: Replay, rec: RequestRecord) -> Response:
+    """A stored response again: it never reaches a pool."""
+    status = replay.response.status
+    rec.status = status
+    rec.finish("ok" if status < 400 else outcome_for(status), rt.metrics, rt.access_log)
+    return replay.response.replay()
+
+
+async def _release(claim: KeyClaim | None, rec: RequestRecord) -> None:
+    """Nothing was generated for a claimed key (refused before forwarding): free it for the client's retry."""
+    if claim is not None:
+        rec.idempotency = "released"
+        await claim.settle(None)
+
+
+async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) -> ASGIApp:
+    """What answers this POST to ``route``. A refusal is answered here (and recorded); a client gone while its body
+    was read raises ``ClientDisconnect``, a bug raises (both recorded); the caller renders those."""
+    path = route.path
+    client_headers, hdr, keys = _headers(scope)
+    rec = RequestRecord(request_id(hdr.get("x-request-id")), path)
+    extra = [("x-request-id", rec.request_id)]
+    claim: KeyClaim | None = None
+    try:
+        rt.authenticate(hdr.get("authorization"))
+        idempotency_key = parse_key(keys)
+        raw = await read_body(receive, rt.settings.max_body_bytes, hdr.get("content-length"))
+        body = parse_object(raw)
+        check_json_depth(raw, body, rt.settings.max_json_depth)
+        live = rt.live
+        d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng)
+        rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
+        if d.features is not None:
+            rec.task_type, rec.stream = d.features.task_type, d.features.stream
+            extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", d.features.task_type)]
+        d.check_model()
+        sticky = Sticky(None, None)
+        if route.endpoint == "responses":  # a follow-up goes to the endpoint holding its conversation, and only there
+            sticky = await for_create(
+                rt.store, live.pools, body, hdr.get("authorization"), live.rules.idempotency.ttl_s
+            )
+            plan, max_attempts = sticky.plan or plan, 1 if sticky.pinned else max_attempts
+        rec.route_reason = plan.reason
+        extra.append(("x-specgate-route", plan.reason))
+        if d.klass is not None and d.klass.require_idempotency_key and idempotency_key is None:
+            raise BadRequest(
+                f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
+            )
+        tenant = tenant_scope(hdr.get("authorization")) if idempotency_key is not None else b"anonymous"
+        if idempotency_key is not None:  # before the capacity check: a replay needs no pool
+            got = await begin(
+                rt.store,
+                live.rules.idempotency,
+                rt.metrics,
+                key=store_key(tenant, idempotency_key),
+                fingerprint=fingerprint(scope["method"], path, body),
+                record=rec,
+            )
+            if isinstance(got, Replay):
+                return _replay(rt, got, rec)
+            claim = got
+        if plan.empty:
+            raise plan.unavailable()
+    except GatewayError as exc:
+        await _release(claim, rec)
+        return _refused(rt, exc, rec, extra)
+    except ClientDisconnect:
+        rec.finish("client_disconnect", rt.metrics, rt.access_log)
+        raise
+    except Exception:
+        await _release(claim, rec)
+        rec.status, rec.error = 500, "internal error in the gateway"
+        rec.finish("gateway_error", rt.metrics, rt.access_log)
+        raise
+    rec.temperature_band = temperature_band(body.get("temperature"))
+    job = ProxyJob(
+        path=path,
+        body=raw,
+        client_headers=client_headers,
+        stream=stream,
+        plan=plan,
+        max_attempts=max_attempts,
+        record=rec,
+        extra_headers=extra,
+        parsed=body if stream else None,
+        idempotency=claim,
+        dialect=ResponsesDialect() if route.endpoint == "responses" else CHAT,
+        pinned=sticky.pinned,
+        on_answer=sticky.on_answer,
+        client_addr=_client_addr(scope),
+        detached=rt.detached,
+        tenant=tenant,
+    )
+    return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+
+
+def _client_addr(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
