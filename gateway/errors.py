@@ -188,6 +188,8 @@ class UpstreamResponseTooLarge(UpstreamError):
     def __init__(self, message: str, *, limit: str) -> None:
         super().__init__(message)
         self.limit = limit  # the limit's name in specgate_limit_refusals_total
+
+
 class UpstreamPoolFull(UpstreamError):
     """Every pooled connection to the endpoint stayed busy until the first-byte deadline: the endpoint is busy,
     not broken (back-pressure; ``gateway.routing.attempts``)."""

@@ -29,8 +29,8 @@ from gateway.admin.app import create_admin_app
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
-from gateway.proxy.limits import head_limits, http_protocol
 from gateway.proxy.app import GatewayApp
+from gateway.proxy.limits import head_limits, http_protocol
 
 logger = logging.getLogger("specgate")
 

@@ -21,7 +21,6 @@ from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyExchange, ProxyJob
 from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response, parse_object, read_body
-from gateway.proxy.limits import check_json_depth
 from gateway.proxy.idempotency import (
     KEY_HEADER,
     KeyClaim,
@@ -32,6 +31,7 @@ from gateway.proxy.idempotency import (
     store_key,
     tenant_scope,
 )
+from gateway.proxy.limits import check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER, Endpoint
