@@ -149,7 +149,12 @@ def render_report(
         f"server), clock x{setup.time_scale:g}, answers ~{setup.output_median:g} tokens (lognormal sigma "
         f"{setup.output_sigma:g}); {setup.duration_s:g} wall seconds of {mix.arrivals} arrivals per point"
         + (f", {setup.repeats} runs per point with their own arrivals (percentiles over all)" * (setup.repeats > 1))
-        + f", seed {setup.seed}, the same requests for every policy",
+        + f", seed {setup.seed}, the same requests for every policy"
+        + (
+            f"; scrape and controller time constants x{setup.controller_time_scale:g}"
+            if setup.controller_time_scale is not None
+            else ""
+        ),
         f"- capacity (100% load): {capacity_how}",
         "- all times and rates on the simulated clock (wall time / time scale)",
         "",

@@ -129,7 +129,10 @@ def bench_rules(rules: dict[str, Any], ports: dict[str, list[int]], setup: Setup
         pools.append(p)
     out["pools"] = pools
     out["classes"] = [_scaled_saturation(c, setup.scale) for c in rules["classes"]]
-    return scaled_rules(out, setup.time_scale)
+    # --controller-time-scale: the scrape and controller time constants shrink further than the simulators' clock,
+    # so that a controller window is a fraction of one load point instead of longer than it
+    cts = setup.time_scale if setup.controller_time_scale is None else setup.controller_time_scale
+    return scaled_rules(out, cts)
 
 
 def servers_per_pool(rules: dict[str, Any], setup: Setup | None = None) -> dict[str, int]:

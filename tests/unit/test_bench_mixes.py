@@ -88,3 +88,19 @@ def test_the_target_check_uses_the_mixs_target() -> None:
         "at least 10% below the best homogeneous fleet's p99 E2E at 50%, 70% load (50%: +5% below): **NOT MET**"
         in lines[1]
     )
+
+
+def test_a_controller_time_scale_shortens_the_windows_below_one_load_point() -> None:
+    from gateway.bench.policies import bench_rules
+
+    adaptive = load_rules_file(ROOT / "routing_rules" / "default.yaml").model_dump(
+        mode="json", exclude_none=True, by_alias=True
+    )
+    rules = policy_rules("adaptive", adaptive, ROOT)
+    ports = {"speculative": [1], "standard": [2]}
+    plain = bench_rules(rules, ports, Setup())
+    fast = bench_rules(rules, ports, Setup(controller_time_scale=0.1))
+    assert plain["defaults"]["controller"]["window_s"] == pytest.approx(15.0)  # 30 s x the clock's 0.5
+    assert fast["defaults"]["controller"]["window_s"] == pytest.approx(3.0)
+    assert fast["defaults"]["controller"]["min_hold_s"] == pytest.approx(6.0)
+    assert fast["scrape"]["interval_s"] == 0.25
