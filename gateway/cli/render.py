@@ -78,7 +78,7 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
         if ctl.get("guard_tripped"):
             text += f", fallback guard tripped ({ctl.get('guard_cause')})"
         if ctl.get("probe_share"):
-            text += f", probing speculative at {_fmt(ctl['probe_share'])}"
+            text += f", probing speculative at {cell(ctl['probe_share'])}"
         if choice:
             text += f"; this request: {choice.get('pick')}"
             if choice.get("why"):
