@@ -9,7 +9,11 @@ JSON-able dict::
     task_type       and task_source (header | rule | default)
     traffic_class   name, description, route (preferred / saturated / fallback / saturation), controlled
     controller      the class controller's snapshot (gateway.routing.route_state), or null for a static route
-    choice          the controller's answer for this request (state, pick, share), or null
+    choice          the controller's answer for this request (state, pick, share, why: home | spill | probe | guard |
+                    forced | stale, probe_share), or null
+    expected_completion  per candidate pool: the class's expected completion time in the last scrape round and its
+                    inputs (queue, first step, decode = output tokens x the class's time per token, acceptance used
+                    and where it came from); null for a class without a controller
     live            per candidate pool of the class: kind, endpoints, in-flight, scraped load (null = unknown), and
                     admission: this process's bound (null: none), whether it admits one more, busy endpoints
                     (``gateway.routing.overload``: a back-pressure failure moves a request only to one not busy)
@@ -88,6 +92,7 @@ def route_dict(route: Route) -> dict[str, Any]:
         "saturated": route.saturated,
         "fallback": list(route.fallback),
         "saturation": {"max_inflight_per_endpoint": route.saturation.max_inflight_per_endpoint},
+        "pin": route.pin,
     }
 
 
@@ -180,6 +185,19 @@ def _features(d: Decision) -> dict[str, Any] | None:
     return f
 
 
+def _choice(d: Decision, controller: Mapping[str, Any] | None) -> dict[str, Any]:
+    c = d.choice
+    assert c is not None
+    return {
+        "state": c.state,
+        "pick": c.pick,
+        "share": c.share,
+        "forced": c.forced,
+        "why": c.why,
+        "probe_share": None if controller is None else controller.get("probe_share"),
+    }
+
+
 def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
     """Why a request with this body and these headers, sent to ``path``, would go where it goes now."""
     endpoint = endpoint_for(path)
@@ -202,9 +220,8 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             "controlled": controller is not None,
         },
         "controller": controller,
-        "choice": None
-        if d.choice is None
-        else {"state": d.choice.state, "pick": d.choice.pick, "share": d.choice.share, "forced": d.choice.forced},
+        "choice": None if d.choice is None else _choice(d, controller),
+        "expected_completion": None if controller is None else controller.get("estimates"),
         "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
         "plan": {
             "reason": d.plan.reason,

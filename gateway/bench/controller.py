@@ -85,6 +85,19 @@ def parse_phases(text: str) -> list[Phase]:
     return unique
 
 
+def _scaled_controller(ctl: dict[str, Any], time_scale: float, interval: float) -> dict[str, Any]:
+    ctl = dict(ctl)
+    ctl.setdefault("window_s", 30.0)
+    ctl.setdefault("min_hold_s", 60.0)
+    ctl.setdefault("reenable_after_s", 600.0)
+    for key in ("window_s", "min_hold_s", "reenable_after_s"):
+        ctl[key] = float(ctl[key]) * time_scale
+    ctl["window_s"] = max(ctl["window_s"], 2 * interval)
+    ctl["min_samples"] = min(int(ctl.get("min_samples", 20)), 5)
+    ctl["max_changes_per_hour"] = max(int(ctl.get("max_changes_per_hour", 6)), 60)
+    return ctl
+
+
 def scaled_rules(rules: dict[str, Any], time_scale: float) -> dict[str, Any]:
     """The controllers' and the scraper's time constants times ``time_scale`` (like the simulators' clocks)."""
     out = dict(rules)
@@ -96,21 +109,15 @@ def scaled_rules(rules: dict[str, Any], time_scale: float) -> dict[str, Any]:
     scrape["window_s"] = max(2.5 * interval, float(scrape.get("window_s", 60.0)) * time_scale)
     scrape.pop("stale_after_s", None)
     out["scrape"] = scrape
+    defaults = out.get("defaults")
+    if isinstance(defaults, dict) and isinstance(defaults.get("controller"), dict):
+        out["defaults"] = {**defaults, "controller": _scaled_controller(defaults["controller"], time_scale, interval)}
     classes = []
     for cls in out.get("classes", []):
         c = dict(cls)
         ctl = c.get("controller")
         if isinstance(ctl, dict):
-            ctl = dict(ctl)
-            ctl.setdefault("window_s", 30.0)
-            ctl.setdefault("min_hold_s", 60.0)
-            ctl.setdefault("reenable_after_s", 600.0)
-            for key in ("window_s", "min_hold_s", "reenable_after_s"):
-                ctl[key] = float(ctl[key]) * time_scale
-            ctl["window_s"] = max(ctl["window_s"], 2 * interval)
-            ctl["min_samples"] = min(int(ctl.get("min_samples", 20)), 5)
-            ctl["max_changes_per_hour"] = max(int(ctl.get("max_changes_per_hour", 6)), 60)
-            c["controller"] = ctl
+            c["controller"] = _scaled_controller(ctl, time_scale, interval)
         classes.append(c)
     out["classes"] = classes
     return out

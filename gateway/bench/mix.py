@@ -7,6 +7,10 @@ A mix (``bench/mixes/*.yaml``)::
     send_task_header: false                      # true: send X-Task-Type (else the gateway reads the prompt)
     targets: {ttft_s: 2.0, tpot_s: 0.06}         # goodput: a request meets both (per class overrides below)
     rules: routing_rules/default.yaml            # `bench policies`: the adaptive routing file for this mix
+    arrivals: poisson                            # or burst:BASE,PEAK,PERIOD,LENGTH / step:R@S,... with the rates
+                                                 #   as multiples of the load point's rate (seconds: wall)
+    output_len_median: 80                        # `bench policies`: the simulated answers' median length
+    target: {within: 1.1, below_by: 0.1, below_at: [0.5, 0.7]}  # `bench policies`' target for this mix
     classes:
       - name: structured
         weight: 0.6
@@ -15,6 +19,7 @@ A mix (``bench/mixes/*.yaml``)::
         max_tokens: {uniform: [128, 256]}        #   or {uniform: [lo, hi]} (integers for max_tokens)
         stream: 0.5                              # share of streaming requests
         response_format: json_object             # optional
+        tools: false                             # true: the request carries a tool definition
         prompts: builtin                         # or {file: prompts.jsonl, field: prompt}
         targets: {ttft_s: 1.0}
 
@@ -176,6 +181,7 @@ class TrafficClass:
     stream: float
     targets: Targets
     response_format: str | None = None
+    tools: bool = False
     prompts: tuple[Any, ...] = ()  # from a JSONL file: strings or message lists; empty: built-in
     api: str = "chat"  # chat (POST /v1/chat/completions) | responses (POST /v1/responses)
 
@@ -187,6 +193,28 @@ class TrafficClass:
 
 
 @dataclass(frozen=True, slots=True)
+class Target:
+    """``bench policies``' target for a mix: adaptive p99 E2E at most ``within`` x the best homogeneous fleet's at
+    every load, and (``below_by`` > 0) at least ``below_by`` below it at the loads ``below_at``."""
+
+    within: float = 1.10
+    below_by: float = 0.0
+    below_at: tuple[float, ...] = ()
+
+
+def _target(raw: Any) -> Target:
+    if raw is None:
+        return Target()
+    if not isinstance(raw, dict) or set(raw) - {"within", "below_by", "below_at"}:
+        raise ValueError("target takes within, below_by, below_at")
+    return Target(
+        float(raw.get("within", 1.10)),
+        float(raw.get("below_by", 0.0)),
+        tuple(float(x) for x in raw.get("below_at", ())),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Mix:
     name: str
     classes: tuple[TrafficClass, ...]
@@ -194,6 +222,23 @@ class Mix:
     send_task_header: bool = False
     rules: str | None = None
     description: str = ""
+    arrivals: str = "poisson"
+    output_len_median: float | None = None
+    target: Target = field(default_factory=lambda: Target())
+
+    def arrival_kind(self, rate: float) -> str:
+        """The arrival process at ``rate`` requests/s: ``arrivals`` with its rates scaled by ``rate``."""
+        name, _, spec = self.arrivals.partition(":")
+        if name == "burst":
+            base, peak, period, length = spec.split(",")
+            return f"burst:{float(base) * rate:g},{float(peak) * rate:g},{period},{length}"
+        if name == "step":
+            parts = []
+            for part in spec.split(","):
+                r, _, secs = part.partition("@")
+                parts.append(f"{float(r) * rate:g}@{secs}")
+            return "step:" + ",".join(parts)
+        return self.arrivals
 
     def pick(self, rng: random.Random) -> TrafficClass:
         return rng.choices(self.classes, [c.weight for c in self.classes])[0]
@@ -234,6 +279,8 @@ def plan_request(mix: Mix, model: str, rng: random.Random) -> Planned:
         body["stream"] = False
     if cls.response_format:
         body["response_format"] = {"type": cls.response_format}
+    if cls.tools:
+        body["tools"] = [TOOL]
     if cls.api == "responses":
         body = _as_responses(body)
     headers = {"x-sim-task": cls.task}  # the simulator's ground truth for acceptance; vLLM ignores it
@@ -252,6 +299,20 @@ def _as_responses(chat: dict[str, Any]) -> dict[str, Any]:
     if "response_format" in chat:
         body["text"] = {"format": chat["response_format"]}
     return body
+
+
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "book_room",
+        "description": "Book a meeting room.",
+        "parameters": {
+            "type": "object",
+            "properties": {"people": {"type": "integer"}, "day": {"type": "string"}},
+            "required": ["people", "day"],
+        },
+    },
+}
 
 
 def _load_prompts(raw: Any, base: Path, where: str) -> tuple[Any, ...]:
@@ -316,6 +377,7 @@ def parse_mix(data: Any, base: Path = Path(".")) -> Mix:
                 stream=stream,
                 targets=_targets(raw.get("targets"), f"{where}.targets", targets),
                 response_format=raw.get("response_format"),
+                tools=bool(raw.get("tools", False)),
                 prompts=_load_prompts(raw.get("prompts"), base, f"{where}.prompts"),
                 api=api,
             )
@@ -329,6 +391,36 @@ def parse_mix(data: Any, base: Path = Path(".")) -> Mix:
         send_task_header=bool(data.get("send_task_header", False)),
         rules=data.get("rules"),
         description=str(data.get("description", "")),
+        arrivals=_arrivals(data.get("arrivals", "poisson")),
+        output_len_median=None if data.get("output_len_median") is None else float(data["output_len_median"]),
+        target=_target(data.get("target")),
+    )
+
+
+def _arrivals(raw: Any) -> str:
+    """Checked now, so that a bad mix fails before any server starts (the numbers as ``bench.load`` reads them)."""
+    kind = str(raw)
+    name, _, spec = kind.partition(":")
+    try:
+        if name == "burst":
+            base, peak, period, length = (float(x) for x in spec.split(","))
+            if period <= 0 or not 0 < length <= period or base < 0 or peak < 0:
+                raise ValueError
+            return kind
+        if name == "step":
+            for part in spec.split(","):
+                r, at, secs = part.partition("@")
+                if not at or float(r) < 0 or float(secs) <= 0:
+                    raise ValueError
+            return kind
+    except ValueError:
+        pass
+    else:
+        if name in ("poisson", "constant"):
+            return kind
+    raise ValueError(
+        f"arrivals {kind!r}: expected poisson, constant, burst:BASE,PEAK,PERIOD,LENGTH or step:RATE@SECONDS,... "
+        "(rates as multiples of the load point's rate)"
     )
 
 

@@ -35,6 +35,17 @@ class Setup:
     duration_s: float = 12.0  # wall seconds of arrivals per load point (per repeat)
     seed: int = 7
     repeats: int = 1  # runs per load point with their own arrivals; percentiles over all their requests
+    controller_time_scale: float | None = None  # the controllers' time constants x this (None: time_scale)
+    spec_servers: int = 1  # the mixed fleet: speculative servers ...
+    std_servers: int = 1  # ... and standard ones; a homogeneous fleet gets as many servers in all
+
+    @property
+    def servers(self) -> int:
+        return self.spec_servers + self.std_servers
+
+    @property
+    def fleet(self) -> str:
+        return f"{self.spec_servers}+{self.std_servers}"
 
     @property
     def lengths(self) -> OutputLengths:

@@ -1,12 +1,13 @@
 """``specgate bench policies``: routing policies under the same open-loop mix, across offered loads.
 
-Every policy gets two simulated vLLM servers (``specgate sim``) and the gateway in front of them:
+Every policy gets the same number of simulated vLLM servers (``specgate sim``; ``Setup.fleet``, 1+1 by default:
+speculative + standard servers of the mixed fleet) and the gateway in front of them:
 
-- ``standard``: two standard servers (``bench/policies/standard-only.yaml``);
-- ``speculative``: two speculative servers (``bench/policies/speculative-only.yaml``);
-- ``nginx``: one of each behind the seed playbook's NGINX + Lua rule, ported as a routing file
+- ``standard``: only standard servers (``bench/policies/standard-only.yaml``);
+- ``speculative``: only speculative servers (``bench/policies/speculative-only.yaml``);
+- ``nginx``: the mixed fleet behind the seed playbook's NGINX + Lua rule, ported as a routing file
   (``bench/policies/nginx-seed.yaml``, missing temperature → speculative, as the Lua does);
-- ``adaptive``: one of each behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
+- ``adaptive``: the mixed fleet behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
   mix), with its controllers; their time constants are scaled like the simulators' clocks
   (``bench controller``'s ``scaled_rules``).
 
@@ -17,9 +18,10 @@ batch b are then those of the real server at batch b·scale, at 1/scale of its r
 low-load speedup and its loss near saturation, with few enough tokens per second for a 2-core machine. The
 adaptive rules' in-flight saturation thresholds are divided by ``scale`` for the same reason.
 
-Offered load is a fraction of the fleet's capacity, computed from the simulator's physics (not probed): two
-standard servers at a full batch, ``capacity = 2 / (E[output]·step(B)/B + E[prompt]·γ_prefill)`` with the mix's
-expected output and prompt lengths. The same seed gives every policy the same arrival times and requests.
+Offered load is a fraction of the fleet's capacity, computed from the simulator's physics (not probed): as many
+standard servers at a full batch, ``capacity = n / (E[output]·step(B)/B + E[prompt]·γ_prefill)`` with the mix's
+expected output and prompt lengths. The same seed gives every policy the same arrival times and requests; a mix's
+``arrivals`` (bursts, steps) scale with the load point's rate.
 """
 
 from __future__ import annotations
@@ -127,21 +129,27 @@ def bench_rules(rules: dict[str, Any], ports: dict[str, list[int]], setup: Setup
         pools.append(p)
     out["pools"] = pools
     out["classes"] = [_scaled_saturation(c, setup.scale) for c in rules["classes"]]
-    return scaled_rules(out, setup.time_scale)
+    # --controller-time-scale: the scrape and controller time constants shrink further than the simulators' clock,
+    # so that a controller window is a fraction of one load point instead of longer than it
+    cts = setup.time_scale if setup.controller_time_scale is None else setup.controller_time_scale
+    return scaled_rules(out, cts)
 
 
-def servers_per_pool(rules: dict[str, Any]) -> dict[str, int]:
-    """Two servers per policy: both in the one pool of a homogeneous fleet, one per pool otherwise."""
+def servers_per_pool(rules: dict[str, Any], setup: Setup | None = None) -> dict[str, int]:
+    """The fleet's servers: all in the one pool of a homogeneous fleet, ``setup.fleet`` by kind otherwise."""
+    setup = setup or Setup()
     names = [p["name"] for p in rules["pools"]]
     if len(names) == 1:
-        return {names[0]: 2}
+        return {names[0]: setup.servers}
     if len(names) != 2:
         raise ValueError(f"a policy needs one or two pools, got {names}")
-    return dict.fromkeys(names, 1)
+    return {
+        p["name"]: setup.spec_servers if p.get("kind") == "speculative" else setup.std_servers for p in rules["pools"]
+    }
 
 
 def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str]:
-    """Simulated requests/s two standard servers sustain on this mix at a full batch (simulator physics)."""
+    """Simulated requests/s as many standard servers as the fleet has sustain on this mix at a full batch."""
     rng = random.Random(setup.seed)
     p = get_preset(PRESET)
     outs, prompts = [], []
@@ -160,9 +168,10 @@ def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str
     ctx = mean_prompt + mean_out / 2
     step = step_time(target, None, 0, b, 0, round(b * ctx))
     per_request = mean_out * step / b + mean_prompt * target.gamma_prefill_s
-    cap = 2.0 / per_request
+    cap = setup.servers / per_request
     how = (
-        f"from the simulator's step model ({PRESET}, per-token costs x{f}): two standard servers at a full batch of "
+        f"from the simulator's step model ({PRESET}, per-token costs x{f}): {setup.servers} standard servers at a "
+        "full batch of "
         f"{b}; step {step * 1000:.1f} ms, mean output {mean_out:.0f} tokens, mean prompt {mean_prompt:.0f} tokens "
         f"-> {cap:.2f} requests/s (simulated clock)"
     )
@@ -188,8 +197,8 @@ def run_policy(
     jsonl: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Point]:
-    """Start the policy's two servers and the gateway; one open-loop run per load; stop everything."""
-    counts = servers_per_pool(rules)
+    """Start the policy's servers and the gateway; one open-loop run per load; stop everything."""
+    counts = servers_per_pool(rules, setup)
     ports = {name: [free_port() for _ in range(k)] for name, k in counts.items()}
     procs: list[subprocess.Popen[bytes]] = []
     points: list[Point] = []
@@ -222,7 +231,10 @@ def run_policy(
                 results: list[Result] = []
                 for r in range(setup.repeats):  # repeat 0 has the seeds of a single run
                     times = arrival_times(
-                        "poisson", rate / setup.time_scale, setup.duration_s, random.Random(setup.seed + i + 1000 * r)
+                        mix.arrival_kind(rate / setup.time_scale),
+                        rate / setup.time_scale,
+                        setup.duration_s,
+                        random.Random(setup.seed + i + 1000 * r),
                     )
                     run = asyncio.run(
                         run_load(url, mix, times, model=model, seed=setup.seed + 100 + i + 1000 * r,
@@ -276,6 +288,8 @@ def bench_policies(
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
+    if mix.output_len_median is not None:
+        setup = replace(setup, output_median=mix.output_len_median)
     capacity, how = estimate_capacity(mix, setup)
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "results.jsonl"

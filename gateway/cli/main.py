@@ -504,6 +504,13 @@ def bench_policies_cmd(
     repeats: Annotated[
         int, typer.Option(help="Runs per load point, each with its own arrivals; percentiles over all of them.")
     ] = 1,
+    controller_time_scale: Annotated[
+        float | None,
+        typer.Option(help="Scrape and controller time constants x this instead of --time-scale (shorter windows)."),
+    ] = None,
+    fleet: Annotated[
+        str, typer.Option(help="Speculative+standard servers of the mixed fleet (homogeneous fleets: as many).")
+    ] = "1+1",
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md, the plots, results.jsonl.")] = Path(
         "bench-results/policies"
     ),
@@ -517,7 +524,13 @@ def bench_policies_cmd(
     try:
         if repeats < 1:
             raise ValueError("--repeats must be at least 1")
+        spec_n, plus, std_n = fleet.partition("+")
+        if not plus or not spec_n.strip().isdigit() or not std_n.strip().isdigit() or min(int(spec_n), int(std_n)) < 1:
+            raise ValueError(f"--fleet: expected SPEC+STD servers such as 2+1, got {fleet!r}")
         setup = Setup(
+            controller_time_scale=controller_time_scale,
+            spec_servers=int(spec_n),
+            std_servers=int(std_n),
             time_scale=time_scale,
             max_num_seqs=max_num_seqs,
             scale=scale,

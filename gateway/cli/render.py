@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -51,6 +52,8 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             r += f", saturated {route['saturated']}"
         if route.get("fallback"):
             r += f", fallback {', '.join(route['fallback'])}"
+        if route.get("pin"):
+            r += f"; pinned to {route['pin']} pools"
         lines.append(f"[bold]route[/] {escape(r)}")
     if f:
         lines.append(
@@ -74,15 +77,19 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             text += f", holding: {ctl['holding']}"
         if ctl.get("guard_tripped"):
             text += f", fallback guard tripped ({ctl.get('guard_cause')})"
+        if ctl.get("probe_share"):
+            text += f", probing speculative at {cell(ctl['probe_share'])}"
         if choice:
             text += f"; this request: {choice.get('pick')}"
+            if choice.get("why"):
+                text += f" ({WHY.get(choice['why'], choice['why'])})"
         lines.append(f"[bold]controller[/] {escape(text)}")
         obs = ctl.get("last_observation")
         if obs:
             lines.append(
                 "[bold]last observation[/] "
                 + escape(
-                    f"expected delay speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
+                    f"expected completion speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
                     f"{cell(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
                     f"{cell(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
                 )
@@ -90,6 +97,56 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
     elif tc.get("route") is not None:
         lines.append("[bold]controller[/] none (static route)")
     return lines
+
+
+WHY = {
+    "home": "home: its home pool",
+    "spill": "spill: a share of the class goes to the other pool, clearly faster there",
+    "probe": "probe: measuring the class's acceptance",
+    "guard": "guard: the fallback guard keeps it off speculation",
+    "forced": "forced by on-call",
+    "stale": "stale measurements: the safe state",
+}
+
+
+def _completion_table(data: dict[str, Any]) -> Table | None:
+    est = data.get("expected_completion")
+    if not est:
+        return None
+    t = Table(
+        title="expected completion time of this class (last scrape round; – unknown)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in (
+        "pool",
+        "kind",
+        "expected",
+        "queue",
+        "1st step",
+        "decode",
+        "tokens",
+        "TPOT pool",
+        "TPOT class",
+        "accept",
+    ):
+        t.add_column(col, justify="left" if col in ("pool", "kind") else "right", no_wrap=True)
+    for name, e in est.items():
+        acc = "–" if e.get("acceptance") is None else f"{cell(e['acceptance'])} ({e.get('acceptance_source')})"
+        t.add_row(
+            escape(name),
+            escape(str(e.get("kind"))),
+            cell(e.get("expected_s"), " s", digits=3),
+            cell(e.get("queue_s"), " s", digits=3),
+            cell(e.get("first_token_s"), " s", digits=3),
+            cell(e.get("decode_s"), " s", digits=3),
+            cell(e.get("output_tokens"), digits=0),
+            cell(e.get("tpot_s"), "ms", 1000, 1),
+            cell(e.get("class_tpot_s"), "ms", 1000, 1),
+            acc,
+        )
+    return t
 
 
 LIVE_COLUMNS = (
@@ -149,6 +206,9 @@ def render(data: dict[str, Any], out: Console) -> None:
     for line in _header_lines(data):
         out.print(line, highlight=False, soft_wrap=True)
     out.print(_live_table(data, out.width))
+    completion = _completion_table(data)
+    if completion is not None:
+        out.print(completion)
     live = data.get("live") or {}
     stale = [name for name, p in live.items() if p.get("known") and p.get("stale")]
     if stale:

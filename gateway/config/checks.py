@@ -1,8 +1,8 @@
 """Semantic checks of routing rules: what the schema alone cannot see because it needs the whole document.
 
 Referenced pools exist (and a route does not name one pool twice), pool / class / endpoint names are unique,
-exactly the last class is a catch-all, a class with a ``controller`` has one speculative and one standard
-candidate pool, a ``route.fallback_model`` is served by one of the class's fallback pools, and condition values
+exactly the last class is a catch-all, a class with a controller has a pool of the other kind than its home, a pin
+matches its route, a ``route.fallback_model`` is served by one of the class's fallback pools, and condition values
 (task types, endpoints, response_format types, models) are ones a request can actually have. Each problem comes
 as (path, message); the loader adds lines.
 """
@@ -156,23 +156,36 @@ def _condition_values(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
 
 
 def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
-    """A class with a ``controller`` block needs one speculative and one standard pool among route.preferred /
-    route.saturated: the controller's two states route to them."""
+    """A class with a controller (its own block or ``defaults.controller``) needs a pool of the other kind than its
+    home to move a share to; a pinned class has nothing to balance, so a controller block on it is a mistake; and a
+    pin must name the kind of every pool of its route."""
     kinds = {p.name: p.kind for p in rules.pools}
     for i, cls in enumerate(rules.classes):
-        if cls.controller is None:
-            continue
         route = cls.route
-        names = [route.preferred] if route.saturated is None else [route.preferred, route.saturated]
-        if any(n not in kinds for n in names):
-            continue  # reported by _pool_references
-        found = sorted(kinds[n] for n in names)
-        if found != ["speculative", "standard"]:
-            described = ", ".join(f'"{n}" ({kinds[n]})' for n in names)
+        names = [route.preferred] + ([route.saturated] if route.saturated else []) + list(route.fallback)
+        if route.pin is not None:
+            if cls.controller is not None:
+                yield (
+                    ("classes", i, "controller"),
+                    f"a class pinned to {route.pin} pools (route.pin) has no other pool to move to: drop its "
+                    "controller block or its pin",
+                )
+            off = [n for n in names if kinds.get(n) not in (None, route.pin)]
+            if off:
+                yield (
+                    ("classes", i, "route", "pin"),
+                    f"the class is pinned to {route.pin} pools but its route names "
+                    + ", ".join(f'"{n}" ({kinds[n]})' for n in off),
+                )
+            continue
+        if rules.controller_of(cls) is None or route.preferred not in kinds:
+            continue  # an unknown preferred pool is reported by _pool_references
+        if rules.candidates(cls) is None:
+            home = kinds[route.preferred]
             yield (
-                ("classes", i, "controller"),
-                "a class with a controller needs one speculative and one standard pool among route.preferred and "
-                f"route.saturated; found {described}",
+                ("classes", i, "controller" if cls.controller is not None else "route"),
+                f'a class with a controller needs a pool of the other kind than its home "{route.preferred}" '
+                f"({home}) to move a share to; there is none (pin the class with route.pin: {home}, or add a pool)",
             )
 
 

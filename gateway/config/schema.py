@@ -12,19 +12,11 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import re2
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-
-def _int_to_float(v: object) -> object:
-    # The models are strict (no "0.5" strings for numbers), and strict mode also refuses an int for a float field:
-    # YAML authors write `lte: 512` and `weight: 2`.
-    if isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
-    return v
-
-
-Number = Annotated[float, BeforeValidator(_int_to_float)]
-OptionalNumber = Annotated[float | None, BeforeValidator(_int_to_float)]  # keeps `minimum` etc. in the JSON schema
+from gateway.config.base import Number, OptionalNumber, Strict
+from gateway.config.base import PoolKind as PoolKind  # re-exported: the YAML's pool kinds
+from gateway.config.controller import ControllerConfig as ControllerConfig  # re-exported: a class's block
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -55,15 +47,10 @@ def _compilable(pattern: str) -> str:
 Pattern = Annotated[str, AfterValidator(_compilable)]
 
 SpecMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix", "dflash"]
-PoolKind = Literal["speculative", "standard"]
 TextScope = Literal["system", "last_user"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Range(_Strict):
+class Range(Strict):
     """A numeric condition: every bound given must hold. A missing ``max_tokens`` counts as +infinity."""
 
     lt: OptionalNumber = None
@@ -100,13 +87,13 @@ class Range(_Strict):
         return not (self.gte is not None and not x >= self.gte)
 
 
-class OneOf(_Strict):
+class OneOf(Strict):
     """A set condition: the feature's value must be one of ``in``."""
 
     in_: list[str] = Field(alias="in", min_length=1)
 
 
-class Conditions(_Strict):
+class Conditions(Strict):
     """Conditions of a traffic class; all given must match. No conditions at all makes a catch-all class."""
 
     temperature: Range | None = Field(None, description="Sampling temperature (missing = defaults.temperature).")
@@ -132,7 +119,7 @@ class Conditions(_Strict):
         return all(getattr(self, f) is None for f in type(self).model_fields)
 
 
-class TaskRule(_Strict):
+class TaskRule(Strict):
     """Assigns a task type. Rules are tried in order; every given part must match; the first match wins."""
 
     task: TaskName
@@ -156,7 +143,7 @@ class TaskRule(_Strict):
         return self
 
 
-class Saturation(_Strict):
+class Saturation(Strict):
     """When the preferred pool counts as saturated, so the class goes to ``route.saturated``."""
 
     max_inflight_per_endpoint: int | None = Field(
@@ -164,7 +151,7 @@ class Saturation(_Strict):
     )
 
 
-class Route(_Strict):
+class Route(Strict):
     preferred: Name = Field(description="The pool this class goes to normally.")
     saturated: Name | None = Field(None, description="The pool to use while the preferred one is saturated.")
     fallback: list[Name] = Field(
@@ -184,94 +171,30 @@ class Route(_Strict):
         "body's model is rewritten for that attempt; header x-specgate-model). Off (null) by default: another "
         "model's answer is not equivalent.",
     )
-
-
-class ControllerConfig(_Strict):
-    """The class's route-state controller (``gateway.routing.controller``): speculative pool or standard pool, from live
-    measurements, with hysteresis, a hold time, a change cap and the fallback guard. Ratios compare the expected
-    delay of the speculative pool with the standard one's; queue and batch limits are per fresh endpoint of the
-    speculative pool."""
-
-    window_s: Number = Field(30.0, gt=0, description="Observation window; the guard counts one window per window_s.")
-    min_samples: int = Field(20, ge=1, description="Samples (class requests) in a window before any decision.")
-    exit_margin: Number = Field(
-        1.25, gt=0, description="Leave the speculative pool when its expected delay > standard's x this ratio."
-    )
-    enter_margin: Number = Field(
-        0.9, gt=0, description="Come back when its expected delay < standard's x this ratio (below exit_margin)."
-    )
-    acceptance_weight: Number = Field(
-        0.5,
-        ge=0,
-        description="Both margins are multiplied by 1 + acceptance_weight x the class's last measured acceptance "
-        "rate, so high-acceptance classes stay on the speculative pool longest (no measurement: no bonus).",
-    )
-    max_queue_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this queue.")
-    max_queue_exit: OptionalNumber = Field(None, ge=0, description="Leave above this queue if standard is faster.")
-    max_batch_enter: OptionalNumber = Field(None, ge=0, description="Come back only with at most this batch.")
-    max_batch_exit: OptionalNumber = Field(None, ge=0, description="Leave above this batch if standard is faster.")
-    share_step: Number = Field(
-        0.25,
-        gt=0,
-        le=1,
-        description="The class's share of requests on the speculative pool moves in steps of this size, at most one "
-        "per window_s, and settles where the pools' delays balance; 1 moves the class as a whole.",
-    )
-    min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
-    max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
-    safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")
-    disable_below: OptionalNumber = Field(
+    pin: PoolKind | None = Field(
         None,
-        ge=0,
-        le=1,
-        description="Acceptance floor of the guard, as vLLM's acceptance RATE = Δaccepted / Δdraft_tokens "
-        "(= E[accepted]/K under the truncated geometric), not the per-position acceptance a: a = 0.5 with K = 5 "
-        "is a rate of about 0.19. None: no acceptance guard.",
-    )
-    disable_after_windows: int = Field(
-        3, ge=1, description="Consecutive windows below the floor (or with regressed p95) that trip the guard."
-    )
-    latency_regression_pct: OptionalNumber = Field(
-        None, gt=0, description="Trip the guard when p95 on the speculative pool exceeds the baseline by this %."
-    )
-    baseline_p95_s: OptionalNumber = Field(None, gt=0, description="Recorded baseline p95 latency of the class.")
-    reenable_after_s: Number = Field(600.0, ge=0, description="The guard's condition must be gone this long.")
-    max_reenables_per_day: int = Field(
-        3, ge=0, description="Re-enables in 24 h; the next trip locks the class off until a person unlocks it."
+        description="Never send this class to a pool of the other kind (e.g. for quality reasons): pools of the "
+        "other kind are left out of its plans, and no controller moves it. None: any pool serving the model may "
+        "take it when that is clearly faster (with a controller block or defaults.controller).",
     )
 
-    @model_validator(mode="after")
-    def _ordered(self) -> ControllerConfig:
-        if not self.enter_margin < self.exit_margin:
-            raise ValueError(
-                f"thresholds out of order: enter_margin {self.enter_margin} must be below exit_margin "
-                f"{self.exit_margin} (hysteresis)"
-            )
-        for what in ("queue", "batch"):
-            enter, exit_ = getattr(self, f"max_{what}_enter"), getattr(self, f"max_{what}_exit")
-            if (enter is None) != (exit_ is None):
-                raise ValueError(f"max_{what}_enter and max_{what}_exit go together: give both or neither")
-            if enter is not None and not enter < exit_:
-                raise ValueError(
-                    f"thresholds out of order: max_{what}_enter {enter} must be below max_{what}_exit {exit_}"
-                )
-        return self
 
-
-class TrafficClass(_Strict):
+class TrafficClass(Strict):
     name: Name
     description: str | None = None
     when: Conditions = Field(default_factory=Conditions)
     route: Route
     controller: ControllerConfig | None = Field(
-        None, description="Live speculative/standard controller; none = the static route above."
+        None,
+        description="Live speculative/standard controller; none = defaults.controller, or the static route above "
+        "without one.",
     )
     require_idempotency_key: bool = Field(
         False, description="Answer 400 to requests of this class without an Idempotency-Key header."
     )
 
 
-class Idempotency(_Strict):
+class Idempotency(Strict):
     """Requests with an ``Idempotency-Key`` header (``gateway.proxy.idempotency``): the stored response's lifetime, the
     claim's lease, and what a repeat or an unreachable store gets."""
 
@@ -295,7 +218,7 @@ class Idempotency(_Strict):
     )
 
 
-class Admin(_Strict):
+class Admin(Strict):
     """On-call overrides through the admin API (``gateway.overrides.manager``): how long a change lasts without an
     explicit
     ``ttl``, and the longest ``ttl`` accepted ("never" is always accepted when asked for explicitly)."""
@@ -312,7 +235,7 @@ class Admin(_Strict):
         return self
 
 
-class Timeouts(_Strict):
+class Timeouts(Strict):
     connect_s: Number = Field(2.0, gt=0, description="TCP connect timeout to an endpoint.")
     first_byte_s: Number = Field(60.0, gt=0, description="Until the response headers / first byte arrive.")
     total_s: Number = Field(600.0, gt=0, description="Whole request, streaming included.")
@@ -327,7 +250,7 @@ class Timeouts(_Strict):
         return self
 
 
-class Speculative(_Strict):
+class Speculative(Strict):
     """Informational: what the pool's vLLM runs with (``--speculative-config``)."""
 
     method: SpecMethod
@@ -335,7 +258,7 @@ class Speculative(_Strict):
     draft_model: str | None = None
 
 
-class Endpoint(_Strict):
+class Endpoint(Strict):
     url: str = Field(
         description="Base URL of one vLLM server, e.g. http://vllm-spec-0:8000",
         json_schema_extra={"pattern": "^https?://[^/?#]+"},  # for editors; the validator below decides
@@ -362,7 +285,7 @@ class Endpoint(_Strict):
         return f"{parts.hostname}:{port}"
 
 
-class Admission(_Strict):
+class Admission(Strict):
     """Admission control of one pool (``gateway.routing.overload``): the gateway admits at most
     routable endpoints x (``max_num_seqs`` + ``max_waiting_per_endpoint``) requests in flight to the pool; a request
     beyond that goes to another planned pool with room, or is answered 503 ``overloaded`` with ``Retry-After`` at
@@ -378,7 +301,7 @@ class Admission(_Strict):
     )
 
 
-class Pool(_Strict):
+class Pool(Strict):
     name: Name
     kind: PoolKind
     speculative: Speculative | None = Field(None, description="Required for kind speculative.")
@@ -422,7 +345,7 @@ class Pool(_Strict):
         return self
 
 
-class RetryBudget(_Strict):
+class RetryBudget(Strict):
     """Process-wide cap on retries (Envoy's retry budget): retries in progress may not exceed ``ratio`` x the
     requests in progress, or ``min_retries``, whichever is larger. A retry refused by it ends the request (503)."""
 
@@ -430,7 +353,7 @@ class RetryBudget(_Strict):
     min_retries: int = Field(3, ge=0, description="Concurrent retries always allowed, however few requests run.")
 
 
-class OutlierDetection(_Strict):
+class OutlierDetection(Strict):
     """Passive ejection of an endpoint after consecutive failed attempts; it comes back once its ejection has
     expired and an active health check passes. The k-th ejection in a row lasts base_ejection_s x 2^(k-1), at
     most max_ejection_s; k starts again after max_ejection_s without an ejection."""
@@ -449,7 +372,7 @@ class OutlierDetection(_Strict):
         return self
 
 
-class Defaults(_Strict):
+class Defaults(Strict):
     temperature: Number = Field(1.0, ge=0, description="Assumed when a request has no temperature (OpenAI: 1.0).")
     top_p: Number = Field(1.0, ge=0, le=1, description="Assumed when a request has no top_p.")
     task_type: TaskName = Field("chat", description="Task type when no header and no task rule applies.")
@@ -462,13 +385,18 @@ class Defaults(_Strict):
     outlier_detection: OutlierDetection = Field(
         default_factory=OutlierDetection, description="Passive ejection of endpoints that keep failing."
     )
+    controller: ControllerConfig | None = Field(
+        None,
+        description="The controller of every class that has no controller block of its own and no route.pin; "
+        "none: such classes keep their static route.",
+    )
 
 
 PROMETHEUS_NAME = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
 MetricName = Annotated[str, Field(pattern=PROMETHEUS_NAME)]
 
 
-class MetricNames(_Strict):
+class MetricNames(Strict):
     """The vLLM metric names the scraper reads (vLLM 0.33 defaults); override them for other vLLM versions.
 
     Counters may be written with or without the ``_total`` suffix; histograms by their base name (without
@@ -490,7 +418,7 @@ class MetricNames(_Strict):
     )
 
 
-class Scrape(_Strict):
+class Scrape(Strict):
     """Scraping every endpoint's ``/metrics`` and ``/health`` (queue depth, batch size, KV usage, acceptance)."""
 
     interval_s: Number = Field(2.0, gt=0, description="Seconds between scrape rounds.")
@@ -521,7 +449,7 @@ class Scrape(_Strict):
         return self.stale_after_s if self.stale_after_s is not None else 3 * self.interval_s
 
 
-class Overload(_Strict):
+class Overload(Strict):
     """Overload handling (``gateway.routing.overload``, ``gateway.proxy.stall``): what a shed request is told, and
     how long a client that reads nothing may hold a stream."""
 
@@ -537,7 +465,7 @@ class Overload(_Strict):
     )
 
 
-class RoutingRules(_Strict):
+class RoutingRules(Strict):
     """The whole routing YAML."""
 
     version: Literal[1] = 1
@@ -550,6 +478,26 @@ class RoutingRules(_Strict):
     idempotency: Idempotency = Field(default_factory=Idempotency, description="Idempotency-Key handling.")
     admin: Admin = Field(default_factory=Admin, description="On-call overrides through the admin API.")
     overload: Overload = Field(default_factory=Overload, description="Load shedding and stalled clients.")
+
+    def controller_of(self, cls: TrafficClass) -> ControllerConfig | None:
+        """The class's controller config: its own block, else ``defaults.controller``; none for a pinned class."""
+        if cls.route.pin is not None:
+            return None
+        return cls.controller if cls.controller is not None else self.defaults.controller
+
+    def candidates(self, cls: TrafficClass) -> tuple[str, str] | None:
+        """(speculative pool, standard pool) a controller of the class moves it between: its home
+        (``route.preferred``) and the first pool of the other kind among route.saturated, route.fallback, then every
+        pool in order. None when the home is unknown or no pool of the other kind exists."""
+        kinds = {p.name: p.kind for p in self.pools}
+        home = kinds.get(cls.route.preferred)
+        if home is None:
+            return None
+        names = ([cls.route.saturated] if cls.route.saturated else []) + list(cls.route.fallback) + list(kinds)
+        away = next((n for n in names if kinds.get(n) not in (None, home)), None)
+        if away is None:
+            return None
+        return (cls.route.preferred, away) if home == "speculative" else (away, cls.route.preferred)
 
     def pool(self, name: str) -> Pool:
         for p in self.pools:

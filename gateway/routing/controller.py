@@ -1,8 +1,9 @@
 """Per-class route-state controller: live measurements → speculative or standard pool, without flapping.
 
-Pure: no I/O, no clock (every call takes ``now``). One ``Controller`` per traffic class that has a ``controller:``
-block (``ControllerConfig``); the caller feeds it one ``Observation`` per scrape round and sends the class's
-requests to its speculative candidate pool with probability ``share``, to the standard one otherwise.
+Pure: no I/O, no clock (every call takes ``now``). One ``Controller`` per traffic class with a controller (its
+``controller:`` block or ``defaults.controller``; ``ControllerConfig``); the caller feeds it one ``Observation``
+per scrape round and sends the class's requests to its speculative candidate pool with probability ``share``, to
+the standard one otherwise.
 
 The class does not move as a whole: ``share`` moves in steps of ``share_step``, at most one step per ``window_s``
 (so each step's effect on the queues is seen before the next). A step against the previous one's direction is
@@ -25,12 +26,18 @@ Decision order in ``observe`` (the first that applies wins):
    stays there until no window showed the condition for ``reenable_after_s`` (a window without the measurement
    does not show it, so on the standard pool this is a timed retry). A trip when ``max_reenables_per_day``
    re-enables were already used in the last 24 h locks the class (reason ``locked``) until ``unlock`` / ``force``.
-5. load, with hysteresis: one step away from speculative when its expected delay > standard's x exit ratio, or
-   when a queue/batch exit limit is exceeded AND the standard pool is expected to be faster (never move to a
-   slower pool); one step back when speculative's delay < standard's x enter ratio and queue/batch are within the
-   enter limits; in between, nothing changes. Both ratios are multiplied by ``1 + acceptance_weight x acceptance``
-   (the class's last measured rate; none measured: factor 1), so high-acceptance classes leave last and return
-   first; enter < exit keeps the band at any acceptance.
+5. load, with hysteresis, on the class's expected completion times (``gateway.routing.estimate``), relative to
+   its HOME (``home``: its route.preferred kind; share 1 is home for a speculative home, 0 for a standard one): one
+   step away from home when home's time > the other pool's x exit ratio; one step back when home's < the other's
+   x enter ratio; in between nothing changes, so with equal times a class at home stays home. A step onto the
+   speculative pool also needs queue/batch within the enter limits; above an exit limit a share leaves it when
+   the standard pool is faster (never onto a slower pool). The speculative time is divided by
+   ``1 + acceptance_weight x acceptance`` (the class's last measured rate; none measured: 1) first.
+   Away steps are ``load``, home steps ``load_recovered`` (``reenabled`` for the first step onto speculative
+   after the guard cleared).
+
+While the class has never had its acceptance measured and sits wholly on standard, ``probe_share()`` sends a small
+capped share to the speculative pool (only with headroom there) so that its estimate rests on measurement.
 
 Load steps (``load``, ``load_recovered``, ``reenabled``) wait ``window_s`` after the previous share change; a step
 that changes the state (a transition) also waits ``min_hold_s`` after the previous transition and is refused while
@@ -47,7 +54,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 from gateway.config.schema import ControllerConfig, PoolKind
-from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing.estimate import DEFAULT_OUTPUT_TOKENS as DEFAULT_OUTPUT_TOKENS
+from gateway.routing.estimate import Observation as Observation
+from gateway.routing.estimate import expected_delay as expected_delay
 
 RouteState = Literal["speculative", "split", "standard"]
 Reason = Literal[
@@ -67,73 +76,7 @@ LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenable
 Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step"]
 HOUR_S = 3600.0
 DAY_S = 86400.0
-DEFAULT_OUTPUT_TOKENS = 256.0
 STEP_MEMORY_WINDOWS = 10  # a load step this many windows after the last one starts again with a full step
-
-
-def expected_delay(
-    view: PoolLoadView, tpot_fallback_s: float, *, output_tokens: float = DEFAULT_OUTPUT_TOKENS
-) -> float | None:
-    """Seconds until a new request sent to ``view``'s pool has its first token and its ``output_tokens`` decoded.
-
-    Per fresh endpoint (requests are spread evenly): with ``r`` running and ``q`` waiting, one request takes
-    ``d = output_tokens x tpot`` to decode, so a batch slot frees about every ``d / max(r, 1)`` seconds and the new
-    request waits ``q x d / max(r, 1)`` in the queue, then one step for its first token, then ``d``::
-
-        delay = q x d / max(r, 1) + tpot + d
-
-    ``tpot`` is the pool's measured mean time per output token over the window (it already reflects the batch size
-    and, on a speculative pool, the acceptance of its traffic), else ``tpot_fallback_s``. Prefill is ignored (small
-    next to a decode of ``output_tokens``). None when the pool is stale: unknown, never 0.
-    """
-    if view.stale or view.running is None or view.waiting is None:
-        return None
-    measured = view.tpot_mean_s
-    tpot = measured if measured is not None and measured > 0 and math.isfinite(measured) else tpot_fallback_s
-    if not (tpot > 0 and math.isfinite(tpot)):
-        return None
-    endpoints = max(view.fresh_endpoints, 1)
-    running, waiting = view.running / endpoints, view.waiting / endpoints
-    decode = output_tokens * tpot
-    return waiting * decode / max(running, 1.0) + tpot + decode
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """One window's measurements for a class's two candidate pools. None = not measured (never read as 0)."""
-
-    samples: int  # the class's requests measured in the window
-    spec_delay_s: float | None  # expected_delay of the speculative candidate pool
-    alt_delay_s: float | None  # expected_delay of the standard candidate pool
-    spec_queue: float | None = None  # waiting per fresh endpoint of the speculative pool
-    spec_batch: float | None = None  # running per fresh endpoint of the speculative pool
-    acceptance: float | None = None  # the class's acceptance rate (Δaccepted / Δdraft_tokens) in the window
-    p95_s: float | None = None  # the class's p95 latency in the window
-    stale: bool = False
-
-    @classmethod
-    def from_views(
-        cls,
-        spec: PoolLoadView,
-        alt: PoolLoadView,
-        *,
-        samples: int,
-        tpot_fallback_s: float,
-        acceptance: float | None = None,
-        p95_s: float | None = None,
-        output_tokens: float = DEFAULT_OUTPUT_TOKENS,
-    ) -> Observation:
-        n = spec.fresh_endpoints
-        return cls(
-            samples=samples,
-            spec_delay_s=expected_delay(spec, tpot_fallback_s, output_tokens=output_tokens),
-            alt_delay_s=expected_delay(alt, tpot_fallback_s, output_tokens=output_tokens),
-            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
-            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
-            acceptance=acceptance,
-            p95_s=p95_s,
-            stale=spec.stale or alt.stale,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +115,9 @@ class ControllerSnapshot:
     exit_ratio: float
     enter_ratio: float
     last_observation: Observation | None
+    home: PoolKind = "speculative"  # the class's route.preferred kind: share 1 or 0 is "home"
+    acceptance: float | None = None  # the class's last measured acceptance rate (None: never measured)
+    probe_share: float = 0.0  # of its requests sent to the speculative pool to measure it (see probe_share())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,8 +148,10 @@ class Controller:
         now: float = 0.0,
         baseline_p95_s: float | None = None,
         share: float | None = None,
+        home: PoolKind = "speculative",
     ) -> None:
         self.class_name = class_name
+        self.home: PoolKind = home
         self.config = config
         self.baseline_p95_s = baseline_p95_s if baseline_p95_s is not None else config.baseline_p95_s
         if share is None:
@@ -236,6 +184,15 @@ class Controller:
     @property
     def _state(self) -> RouteState:
         return _label(self._share)
+
+    @property
+    def acceptance(self) -> float | None:
+        """The class's last measured acceptance rate; None: never measured."""
+        return self._acceptance
+
+    @property
+    def last_reason(self) -> Reason | None:
+        return self._last_reason
 
     @property
     def locked(self) -> bool:
@@ -340,18 +297,29 @@ class Controller:
         if spec is None or alt is None:  # _missing checked them; for the type checker
             return self._hold("stale")
         exit_ratio, enter_ratio = self.ratios()
+        over = _over(obs.spec_queue, c.max_queue_exit) or _over(obs.spec_batch, c.max_batch_exit)
+        within = not _over(obs.spec_queue, c.max_queue_enter) and not _over(obs.spec_batch, c.max_batch_enter)
         direction = 0
         detail = ""
-        if self._share > 0:
-            over = _over(obs.spec_queue, c.max_queue_exit) or _over(obs.spec_batch, c.max_batch_exit)
-            if spec > alt * exit_ratio:
-                direction, detail = -1, f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
-            elif over and alt < spec:
-                direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
-        if direction == 0 and self._share < 1:
-            within = not _over(obs.spec_queue, c.max_queue_enter) and not _over(obs.spec_batch, c.max_batch_enter)
-            if spec < alt * enter_ratio and within:
+        if self.home == "speculative":
+            if self._share > 0:
+                if spec > alt * exit_ratio:
+                    direction, detail = -1, f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
+                elif over and alt < spec:
+                    direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
+            if direction == 0 and self._share < 1 and spec < alt * enter_ratio and within:
                 direction, detail = 1, f"delay {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
+        else:  # standard home: the same band, mirrored (the acceptance bonus still favours speculation)
+            bonus = exit_ratio / c.exit_margin
+            if self._share > 0:
+                if alt < spec / bonus * c.enter_margin:
+                    direction = -1
+                    detail = f"standard {alt:.3g}s < {c.enter_margin:.3g} x speculative {spec / bonus:.3g}s: home"
+                elif over and alt < spec:
+                    direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
+            if direction == 0 and self._share < 1 and alt > spec / bonus * c.exit_margin and within:
+                direction = 1
+                detail = f"standard {alt:.3g}s > {c.exit_margin:.3g} x speculative {spec / bonus:.3g}s: faster there"
         if direction == 0:
             self._holding = None
             return None
@@ -371,11 +339,27 @@ class Controller:
                 return self._hold("hold")
             if len(self._changes) >= c.max_changes_per_hour:
                 return self._hold("cap")
-        reason: Reason = "load"
-        if direction > 0:
-            reason = "reenabled" if self._guard.reenable_pending else "load_recovered"
+        toward_home = direction == (1 if self.home == "speculative" else -1)
+        reason: Reason = "load_recovered" if toward_home else "load"
+        if direction > 0 and self._guard.reenable_pending:
+            reason = "reenabled"
         self._step, self._direction, self._run = size, direction, run
         return self._move(target, reason, now, detail)
+
+    def probe_share(self) -> float:
+        """The share of the class's requests to send to the speculative pool to measure its acceptance: the
+        configured ``probe_share`` while the class has never had its acceptance measured, sits wholly on the
+        standard pool, is neither forced nor held off by the guard, and the last (fresh) observation shows
+        headroom on the speculative pool (less than one request waiting per endpoint, batch within
+        ``max_batch_enter``); else 0."""
+        c, g, obs = self.config, self._guard, self._last_obs
+        if c.probe_share <= 0 or self._acceptance is not None or self._share > 0 or g.tripped or g.locked:
+            return 0.0
+        if self._forced_until is not None and self._last_now < self._forced_until:
+            return 0.0
+        if obs is None or self._missing(obs) or obs.spec_queue is None or obs.spec_queue >= 1.0:
+            return 0.0
+        return 0.0 if _over(obs.spec_batch, c.max_batch_enter) else c.probe_share
 
     # -- on-call ---------------------------------------------------------------------------------------------
 
@@ -469,6 +453,9 @@ class Controller:
             exit_ratio=exit_ratio,
             enter_ratio=enter_ratio,
             last_observation=self._last_obs,
+            home=self.home,
+            acceptance=self._acceptance,
+            probe_share=self.probe_share(),
         )
 
 

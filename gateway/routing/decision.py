@@ -87,6 +87,8 @@ def decide(
         route_state=None if choice is None else choice.pick,
         split=choice is not None and choice.state == "split",
         forced=choice is not None and choice.forced,
+        candidates=None if choice is None or not choice.pools else dict(choice.pools),
+        probe=choice is not None and choice.why == "probe",
     )
     return Decision(
         c.traffic_class.name,

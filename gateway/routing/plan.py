@@ -108,17 +108,23 @@ def plan_route(
     route_state: str | None = None,
     split: bool = False,
     forced: bool = False,
+    candidates: Mapping[str, str] | None = None,
+    probe: bool = False,
 ) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
     ``route_state`` is the pool kind the class controller picked for this request (``"speculative"`` /
     ``"standard"``; None: no controller): the candidate of that kind goes first, the other second, then the
     fallbacks (reason ``controller:<kind>``, or ``controller:split:<kind>`` when ``split``: the controller sends
-    a share of the class to each pool and this request drew ``<kind>``).
+    a share of the class to each pool and this request drew ``<kind>``; ``controller:probe:speculative`` for a
+    probe). ``candidates``: the controller's pools by kind (``RoutingRules.candidates``); without them, the pools
+    of each kind among route.preferred / route.saturated.
     The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
     applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
     round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
     preferred pool only).
+
+    A class with ``route.pin`` never gets a pool of the other kind in its plan (skipped: ``pinned to <kind>``).
 
     ``forced``: an on-call class route on a class without a controller (``route_state`` is the forced kind): the
     first pool of that kind among the route's pools (preferred, saturated, fallback) goes first, the others keep
@@ -129,13 +135,16 @@ def plan_route(
     preferred = pools.get(route.preferred)
     reason = "preferred"
     order: list[str] = [route.preferred]
-    candidates = controller_candidates(route, pools) if route_state is not None else None
-    if candidates is not None and route_state in candidates:
+    if route_state is None:
+        candidates = None
+    elif candidates is None:
+        candidates = controller_candidates(route, pools)
+    if candidates is not None and route_state is not None and route_state in candidates:
         first = candidates[route_state]
-        second = route.saturated if first == route.preferred else route.preferred
-        assert second is not None  # candidates exist only with route.saturated
-        order = [first, second]
+        order = [first] + [n for n in candidates.values() if n != first]
         reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
+        if probe:
+            reason = f"controller:probe:{route_state}"
     if (
         (candidates is None or order[0] == route.preferred)
         and route.saturated is not None
@@ -169,6 +178,9 @@ def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[s
         view = pools.get(name)
         if view is None:
             skipped.append((name, "unknown pool"))
+            continue
+        if route.pin is not None and view.kind != route.pin:
+            skipped.append((name, f"pinned to {route.pin}"))
             continue
         serves = model in view.models
         if not serves and not (alt in view.models and name in route.fallback):  # nor route.fallback_model

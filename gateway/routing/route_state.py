@@ -1,24 +1,34 @@
-"""The live route state of every controlled traffic class: one ``Controller`` per class with a ``controller:`` block.
+"""The live route state of every controlled traffic class: one ``Controller`` per class with a controller (its own
+``controller:`` block, else ``defaults.controller``; never for a class with ``route.pin``).
 
 Owned by the ``Runtime``; fed once per scrape round (``on_scrape_round``, called by the scraper's round hook) and
 read on the hot path (``state_for_request``: one dict lookup and one integer increment).
 
-Per controlled class and round it builds one ``Observation`` of the class's two candidate pools (the speculative
-and the standard one among ``route.preferred`` / ``route.saturated``; the loader checks there is one of each):
+Per controlled class and round it builds one ``Observation`` of the class's two candidate pools (its home,
+``route.preferred``, and the first pool of the other kind among route.saturated, route.fallback, then all pools:
+``RoutingRules.candidates``):
 
 - samples: the class's requests routed by this process in the last ``controller.window_s`` (counted by
   ``state_for_request``, differenced against per-round snapshots);
-- expected delays, queue and batch from the scraped ``PoolLoadView``\\ s, averaged over the fresh rounds of the
-  window (one scrape of a queue is noise); a pool without a TPOT measurement in
-  the scrape window (idle: no request finished) uses its last measured TPOT, else the other candidate's, else
-  ``DEFAULT_TPOT_S``;
+- the class's expected completion time on each pool (``gateway.routing.estimate``: queue, first step, output
+  tokens x the class's time per token there), queue and batch from the scraped ``PoolLoadView``\\ s, averaged over
+  the fresh rounds of the window (one scrape of a queue is noise); a pool without a TPOT measurement in the scrape
+  window (idle: no request finished) uses its last measured TPOT (and the acceptance it was measured at), else the
+  other candidate's, else ``DEFAULT_TPOT_S``. On the speculative pool the TPOT is rescaled from the pool's
+  acceptance to the class's: measured in the window, else its last measured, else the prior of its temperature
+  band (``controller.prior_acceptance`` overrides it); without the pool's acceptance it is not rescaled;
 - acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
   (``specgate_class_draft_tokens`` / ``specgate_class_accepted_draft_tokens``, fed from the responses of
-  speculative pools); when the class ran on its speculative pool in the window but no response reported its
-  acceptance (vLLM returns none for the Responses API), the pool's scraped rate; None while the class drafted
-  nothing in the window (e.g. while it is on the standard pool);
+  speculative pools: in practice its speculative candidate's); when the class ran on its speculative pool in the
+  window but no response reported its acceptance (vLLM returns none for the Responses API), the pool's scraped rate;
+  None while the class drafted nothing in the window (e.g. while it is on the standard pool);
 - p95: the end-to-end p95 of the class's successful requests on its speculative pool over the window
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
+
+Probes: while a class's controller says so (``Controller.probe_share``), ``choose`` sends that share of a class
+sitting wholly on standard to the speculative pool (``specgate_controller_probes_total{class}``, the
+``specgate_class_probe_share`` gauge, a ``controller_probe`` log line and ``on_probe`` (the audit log) when probing
+starts or stops).
 
 Every transition increments ``specgate_controller_transitions_total{class,from,to,reason}``, moves the
 ``specgate_class_route_state{class,state}`` gauge, logs one JSON line on the ``specgate.controller`` logger and
@@ -29,21 +39,23 @@ Not thread-safe: the event loop owns it. With several workers each process runs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules
+from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
+from gateway.routing.estimate import AcceptanceSource, Estimate, estimate, prior_rate
 
 logger = logging.getLogger("specgate.controller")
 
@@ -61,6 +73,21 @@ class RouteChoice:
     pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
     share: float  # the class's share of requests sent to the speculative pool first
     forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
+    why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
+    pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
+
+
+Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeChange:
+    """A class starts or stops probing the speculative pool: one log line, one audit record."""
+
+    class_name: str
+    share: float  # the probe share now (0: stopped)
+    at: float
+    detail: str
 
 
 @dataclass(slots=True)
@@ -71,6 +98,10 @@ class _Class:
     spec_pool: str
     std_pool: str
     since: float  # when this controller was made: the first window's base
+    k: int = 0  # draft tokens per step of the speculative pool
+    prior: float = 0.0  # acceptance rate assumed until measured
+    probe: float = 0.0  # the probe share in force (set each round)
+    estimates: tuple[Estimate | None, Estimate | None] = (None, None)  # (speculative, standard) of the last round
     requests: int = 0  # cumulative, bumped per routed request
     start_requests: int = 0  # ``requests`` when this controller was made
     # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
@@ -105,16 +136,9 @@ def _windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: flo
 
 
 def candidates(rules: RoutingRules, class_name: str) -> tuple[str, str] | None:
-    """(speculative pool, standard pool) of a class among route.preferred / route.saturated, if one of each."""
-    kinds = {p.name: p.kind for p in rules.pools}
-    for cls in rules.classes:
-        if cls.name != class_name:
-            continue
-        names = [cls.route.preferred] if cls.route.saturated is None else [cls.route.preferred, cls.route.saturated]
-        by_kind = {kinds.get(n): n for n in names}
-        spec, std = by_kind.get("speculative"), by_kind.get("standard")
-        return (spec, std) if spec is not None and std is not None and len(names) == 2 else None
-    return None
+    """(speculative pool, standard pool) of a class's controller (``RoutingRules.candidates``), if it has both."""
+    cls = next((c for c in rules.classes if c.name == class_name), None)
+    return None if cls is None else rules.candidates(cls)
 
 
 class RoutingState:
@@ -128,14 +152,16 @@ class RoutingState:
         clock: Callable[[], float] = time.monotonic,
         latency_p95: Callable[[str, str, float], float | None] | None = None,
         on_transition: Callable[[Transition], object] | None = None,
+        on_probe: Callable[[ProbeChange], object] | None = None,
     ) -> None:
         self._rules = rules
         self._registry = registry
         self._clock = clock
         self._latency_p95 = latency_p95  # (class, pool, since) → p95 seconds
         self._on_transition = on_transition
+        self._on_probe = on_probe
         self._classes: dict[str, _Class] = {}
-        self._last_tpot: dict[str, float] = {}  # per pool: the last TPOT measured, for while it idles
+        self._last_tpot: dict[str, tuple[float, float | None]] = {}  # per pool: last TPOT and its acceptance
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
@@ -160,6 +186,19 @@ class RoutingState:
         self.share = Gauge(
             "specgate_class_speculative_share",
             "Share of the traffic class's requests the controller sends to the speculative pool first.",
+            ["class"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
+        self.probes = Counter(
+            "specgate_controller_probes_total",
+            "Requests a class controller sent to the speculative pool to measure the class's acceptance (probes).",
+            ["class"],
+            registry=registry,
+        )
+        self.probe_share = Gauge(
+            "specgate_class_probe_share",
+            "Share of the traffic class's requests sent to the speculative pool as probes (0: not probing).",
             ["class"],
             registry=registry,
             multiprocess_mode="livemax",
@@ -192,9 +231,14 @@ class RoutingState:
             state, share = adopted
         else:
             state, share = ctl.state, ctl.share
+        pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
-        return RouteChoice(state, pick, share)
+        if pick == "standard" and state == "standard" and c.probe > 0 and rng.random() < c.probe:
+            if count:
+                self.probes.labels(class_name).inc()
+            return RouteChoice(state, "speculative", share, why="probe", pools=pools)
+        return RouteChoice(state, pick, share, why=_why(ctl, pick), pools=pools)
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
@@ -293,6 +337,7 @@ class RoutingState:
                 if spec_view is not None and spec_view.acceptance is not None:
                     acceptance = spec_view.acceptance.rate
             obs = self._observation(
+                c,
                 views.get(c.spec_pool),
                 views.get(c.std_pool),
                 samples=max(0, round(requests - base_requests)),
@@ -306,10 +351,29 @@ class RoutingState:
                 out.append(t)
             elif c.controller.share != before:
                 self._step(name, before, c.controller)
+            self._probe(name, c, now)
         return out
+
+    def _probe(self, name: str, c: _Class, now: float) -> None:
+        """Set the class's probe share for the next round; a log line and ``on_probe`` when it starts or stops."""
+        share = c.controller.probe_share()
+        if share == c.probe:
+            return
+        c.probe = share
+        self.probe_share.labels(name).set(share)
+        detail = "acceptance never measured and the speculative pool has headroom" if share > 0 else "probing stopped"
+        change = ProbeChange(name, share, now, detail)
+        logger.info(
+            orjson.dumps(
+                {"event": "controller_probe", "class": name, "share": share, "at": now, "detail": detail}
+            ).decode()
+        )
+        if self._on_probe is not None:
+            self._on_probe(change)
 
     def _observation(
         self,
+        c: _Class,
         spec: PoolLoadView | None,
         std: PoolLoadView | None,
         *,
@@ -318,24 +382,55 @@ class RoutingState:
         p95_s: float | None,
     ) -> Observation:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
+            c.estimates = (None, None)
             return Observation(
                 samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
             )
-        spec_tpot, std_tpot = self._tpot(spec), self._tpot(std)
+        spec_m, std_m = self._tpot(spec), self._tpot(std)
         # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
-        # was under load), else the other candidate's, else the default.
-        spec = replace(spec, tpot_mean_s=spec_tpot if spec_tpot is not None else std_tpot)
-        std = replace(std, tpot_mean_s=std_tpot if std_tpot is not None else spec_tpot)
-        return Observation.from_views(
-            spec, std, samples=samples, tpot_fallback_s=DEFAULT_TPOT_S, acceptance=acceptance, p95_s=p95_s
+        # was under load), else the other candidate's (not rescaled: its acceptance is not this pool's), else the
+        # default.
+        spec_tpot, pool_rate = spec_m if spec_m is not None else (std_m[0] if std_m else DEFAULT_TPOT_S, None)
+        std_tpot = std_m[0] if std_m is not None else (spec_m[0] if spec_m else DEFAULT_TPOT_S)
+        rate, source = self._class_rate(c, acceptance)
+        out = c.controller.config.output_tokens
+        spec_est = estimate(
+            spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
+            pool_rate=pool_rate,
+        )  # fmt: skip
+        std_est = estimate(std, "standard", std_tpot, output_tokens=out)
+        c.estimates = (spec_est, std_est)
+        n = spec.fresh_endpoints
+        return Observation(
+            samples=samples,
+            spec_delay_s=None if spec_est is None else spec_est.expected_s,
+            alt_delay_s=None if std_est is None else std_est.expected_s,
+            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
+            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
+            acceptance=acceptance,
+            p95_s=p95_s,
+            stale=spec.stale or std.stale,
         )
 
-    def _tpot(self, view: PoolLoadView) -> float | None:
-        """The pool's TPOT over the scrape window, else the last one measured (remembered per pool)."""
+    @staticmethod
+    def _class_rate(c: _Class, acceptance: float | None) -> tuple[float, AcceptanceSource]:
+        """The class's acceptance rate for its estimate: this window's, else its last measured, else the prior."""
+        if acceptance is not None and math.isfinite(acceptance):
+            return acceptance, "measured"
+        last = c.controller.acceptance
+        if last is not None:
+            return last, "last measured"
+        return c.prior, "prior"
+
+    def _tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
+        """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""
         t = view.tpot_mean_s
         if t is not None and t > 0 and math.isfinite(t):
-            self._last_tpot[view.pool] = t
-            return t
+            rate = None if view.acceptance is None else view.acceptance.rate
+            if rate is None and view.pool in self._last_tpot:
+                rate = self._last_tpot[view.pool][1]
+            self._last_tpot[view.pool] = (t, rate)
+            return t, rate
         return self._last_tpot.get(view.pool)
 
     def _class_draft_counts(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -390,39 +485,72 @@ class RoutingState:
     # -- config ----------------------------------------------------------------------------------------------
 
     def _sync(self, now: float) -> None:
-        """Match the controllers to the current rules: a new or changed ``controller:`` block gets a new controller
-        (a changed one keeps the current state); a class that lost its block or is gone is forgotten."""
+        """Match the controllers to the current rules: a new or changed controller config (or home, or candidate
+        pools) gets a new controller that keeps the current share; a class that lost its controller or is gone is
+        forgotten."""
         rules = self._rules()
         kinds = {p.name: p.kind for p in rules.pools}
-        wanted: dict[str, tuple[ControllerConfig, str, str, RouteState]] = {}
+        wanted: dict[str, tuple[ControllerConfig, str, str, PoolKind, TrafficClass]] = {}
         for cls in rules.classes:
-            pair = candidates(rules, cls.name) if cls.controller is not None else None
-            if cls.controller is None or pair is None:
+            cfg = rules.controller_of(cls)
+            pair = rules.candidates(cls) if cfg is not None else None
+            if cfg is None or pair is None:
                 continue
-            home: RouteState = "speculative" if kinds.get(cls.route.preferred) == "speculative" else "standard"
-            wanted[cls.name] = (cls.controller, pair[0], pair[1], home)
+            home: PoolKind = "speculative" if kinds.get(cls.route.preferred) == "speculative" else "standard"
+            wanted[cls.name] = (cfg, pair[0], pair[1], home, cls)
         for name in set(self._classes) - set(wanted):
             del self._classes[name]
             for s in STATES:
                 self.route_state.remove(name, s)
             self.share.remove(name)
-        for name, (cfg, spec, std, home) in wanted.items():
+            with contextlib.suppress(KeyError):
+                self.probe_share.remove(name)
+        for name, (cfg, spec, std, home, cls) in wanted.items():
+            spec_cfg = rules.pool(spec).speculative
+            k = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
+            prior = cfg.prior_acceptance
+            if prior is None:
+                prior = prior_rate(cls.when.temperature, rules.defaults.temperature, k)
             old = self._classes.get(name)
-            if old is not None and old.controller.config == cfg and (old.spec_pool, old.std_pool) == (spec, std):
+            if (
+                old is not None
+                and old.controller.config == cfg
+                and old.controller.home == home
+                and (old.spec_pool, old.std_pool) == (spec, std)
+            ):
+                old.k, old.prior = k, prior
                 continue
             share = old.controller.share if old is not None else None
-            controller = Controller(name, cfg, initial=home, share=share, now=now)
+            controller = Controller(name, cfg, initial=home, share=share, now=now, home=home)
             count = old.requests if old is not None else 0
-            self._classes[name] = _Class(controller, spec, std, now, requests=count, start_requests=count)
+            self._classes[name] = _Class(
+                controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count
+            )
             self._set_gauge(name, controller.state, controller.share)
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
 
     def snapshot(self, now: float | None = None) -> dict[str, dict[str, Any]]:
-        """Every controlled class's controller state and candidate pools, for /admin/state and explain."""
+        """Every controlled class's controller state, candidate pools, prior and the last round's expected
+        completion times per pool (with their inputs), for /admin/state and explain."""
         out: dict[str, dict[str, Any]] = {}
         for name, c in self._classes.items():
             snap = c.controller.snapshot(now).as_dict()
             snap["speculative_pool"], snap["standard_pool"] = c.spec_pool, c.std_pool
+            snap["prior_acceptance"] = c.prior
+            snap["estimates"] = {
+                e.pool: {**asdict(e), "expected_s": e.expected_s} for e in c.estimates if e is not None
+            }
             out[name] = snap
         return out
+
+
+def _why(ctl: Controller, pick: PoolKind) -> Why:
+    """Why a controlled class's request drew ``pick`` (not a probe)."""
+    if pick == "standard" and (ctl.guard_tripped or ctl.locked):
+        return "guard"
+    if ctl.forced_until is not None:
+        return "forced"
+    if ctl.last_reason == "stale" and pick == ctl.config.safe_state:
+        return "stale"
+    return "home" if pick == ctl.home else "spill"

@@ -33,7 +33,7 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
-from gateway.routing.route_state import RoutingState
+from gateway.routing.route_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult
@@ -78,12 +78,14 @@ class Runtime:
             overload_spec=lambda: self.live.rules.overload,
             workers=settings.workers,
         )
-        # The route state of the classes with a ``controller:`` block, fed after every scrape round.
+        # The route state of the classes with a controller (their block or defaults.controller), fed after every
+        # scrape round.
         self.routing = RoutingState(
             lambda: self.live.rules,
             self.metrics.registry,
             latency_p95=self.metrics.latency_p95,
             on_transition=self._audit_transition,
+            on_probe=self._audit_probe,
         )
         self.scraper = Scraper(
             lambda: self.live.pools.values(),
@@ -145,6 +147,15 @@ class Runtime:
         detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
         self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
+        )
+
+    def _audit_probe(self, p: ProbeChange) -> None:
+        if self.cluster is not None and self.cluster.role == "follower":
+            return  # probes are the leader's (it runs the controllers)
+        reason = "probe_started" if p.share > 0 else "probe_stopped"
+        detail = {"probe_share": p.share, "detail": p.detail}
+        self.overrides.record(
+            AuditRecord.now("controller", "controller_probe", f"class/{p.class_name}", reason, detail)
         )
 
     # -- cluster mode ----------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,48 @@ async def test_explain_of_a_controlled_class(tmp_path: Path) -> None:
         state = (await c.get("/admin/state")).json()
         assert state["classes"][0]["controller"]["state"] == "speculative"
         assert state["classes"][1]["controller"] is None
+
+
+async def test_explain_shows_each_pools_expected_completion_time_and_why_the_draw_went_there(tmp_path: Path) -> None:
+    """A standard-home class under defaults.controller: once a round saw the speculative pool clearly faster for
+    it, a share spills there; explain gives the estimates per pool with their inputs, and the probe (started while
+    its acceptance was unmeasured) is in the audit log."""
+    rules = rules_for([closed_port_url()], [closed_port_url()])
+    rules["defaults"]["controller"] = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 1.0}
+    rt = make_runtime(tmp_path, rules)
+    chat = {"model": MODEL, "temperature": 0.9, "messages": [{"role": "user", "content": "hi"}]}
+    acc = Acceptance(rate=0.5, mean_length=3.0, per_position=(0.6, 0.5), drafts=100.0)
+    even = {
+        "spec": PoolLoadView("spec", 1, 1, 1.0, 0.0, 0.1, acc, 0.02, 50.0),
+        "std": PoolLoadView("std", 1, 1, 1.0, 0.0, 0.1, None, 0.02, 50.0),
+    }
+    t0 = time.monotonic()  # the runtime's clock
+    rt.routing.choose("default", rt.rng)
+    rt.routing.on_scrape_round(t0 + 1.0, even)  # no gain for this class: home, but probing (acceptance unmeasured)
+    fast = {**even, "spec": PoolLoadView("spec", 1, 1, 1.0, 0.0, 0.1, acc, 0.004, 50.0)}
+    rt.routing.choose("default", rt.rng)
+    rt.routing.on_scrape_round(t0 + 2.0, fast)
+    async with client_for(create_admin_app(rt, TOKEN)) as c:
+        d = (await c.post("/admin/explain", json=chat)).json()
+        assert d["traffic_class"]["name"] == "default"
+        assert d["controller"]["home"] == "standard"
+        assert d["choice"]["pick"] == "speculative"
+        assert d["choice"]["why"] == "spill"
+        assert d["plan"]["reason"] == "controller:speculative"
+        est = d["expected_completion"]
+        assert set(est) == {"spec", "std"}
+        assert est["spec"]["expected_s"] < est["std"]["expected_s"]
+        assert est["spec"]["acceptance_source"] == "prior"
+        assert est["spec"]["pool_acceptance"] == 0.5
+        assert {"queue_s", "first_token_s", "decode_s", "output_tokens", "tpot_s", "class_tpot_s"} <= set(est["std"])
+        audit = (await c.get("/admin/audit")).json()["records"]
+        probes = [r for r in audit if r["action"] == "controller_probe"]
+        assert [(r["target"], r["reason"]) for r in probes] == [
+            ("class/default", "probe_started"),
+            ("class/default", "probe_stopped"),
+        ]
+        transitions = [r for r in audit if r["action"] == "controller_transition"]
+        assert [(r["target"], r["detail"]["to"]) for r in transitions] == [("class/default", "speculative")]
 
 
 async def test_explain_errors_are_the_proxys_envelopes(admin: httpx.AsyncClient) -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config.schema import ControllerConfig, TrafficClass
+from gateway.config.schema import ControllerConfig, PoolKind, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.controller import (
     LOAD_REASONS,
@@ -352,13 +352,21 @@ observations = st.builds(
     safe=st.sampled_from(["standard", "speculative"]),
     queues=st.booleans(),
     step=st.sampled_from([0.25, 0.5, 1.0]),
+    home=st.sampled_from(["speculative", "standard"]),
 )
 def test_transitions_respect_the_cap_and_the_hold_time(
-    seq: list[tuple[float, Observation]], hold: float, cap: int, safe: RouteState, queues: bool, step: float
+    seq: list[tuple[float, Observation]],
+    hold: float,
+    cap: int,
+    safe: RouteState,
+    queues: bool,
+    step: float,
+    home: PoolKind,
 ) -> None:
-    """Load moves never come within min_hold_s of the previous transition nor past the cap. Safety moves (stale,
-    guard, lock) are exempt from both; with safe_state standard all of them go to standard, so there are at most
-    cap + 1 of them in an hour and the total stays within 2 x cap + 1."""
+    """For either home (the symmetric controller): load moves never come within min_hold_s of the previous
+    transition nor past the cap. Safety moves (stale, guard, lock) are exempt from both; with safe_state standard
+    all of them go to standard, so there are at most cap + 1 of them in an hour and the total stays within
+    2 x cap + 1."""
     extra = {"max_queue_enter": 4.0, "max_queue_exit": 8.0, "max_batch_enter": 16.0, "max_batch_exit": 32.0}
     config = cfg(
         min_hold_s=hold,
@@ -371,7 +379,7 @@ def test_transitions_respect_the_cap_and_the_hold_time(
         share_step=step,
         **(extra if queues else {}),
     )
-    c = Controller("c", config, baseline_p95_s=3.0)
+    c = Controller("c", config, baseline_p95_s=3.0, initial=home, home=home)
     now = 0.0
     trs: list[Transition] = []
     for dt, o in seq:

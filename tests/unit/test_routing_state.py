@@ -264,7 +264,9 @@ def test_without_per_request_acceptance_the_pools_counters_stand_in() -> None:
     """The Responses API: vLLM reports no per-request acceptance, so a class that ran on its speculative pool and
     drafted nothing in the gateway's per-class counters is judged by the pool's scraped rate; a class that did not
     run there (no p95 on the speculative pool) stays unknown."""
-    cfg = {"disable_below": 0.5, "disable_after_windows": 1}
+    # prior_acceptance as the pool's: the estimate alone moves nothing here (a lower prior than the pool's rate would
+    # make the speculative pool look slower for this class)
+    cfg = {"disable_below": 0.5, "disable_after_windows": 1, "prior_acceptance": 0.3}
     poor = {"spec": replace(view("spec"), acceptance=Acceptance(0.3, 2.2, (0.3,), 100.0)), "std": view("std")}
     for ran_there, expected in ((True, 0.3), (False, None)):
         rs = RoutingState(

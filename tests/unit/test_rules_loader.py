@@ -47,8 +47,8 @@ INVALID: dict[str, tuple[str, str, int | None]] = {
     "range_not_mapping": ("classes[0].when.temperature", "expected a range such as {lte: 0.5}", 17),
     "controller_without_standard_candidate": (
         "classes[0].controller",
-        'needs one speculative and one standard pool among route.preferred and route.saturated; found "speculative"',
-        21,
+        'needs a pool of the other kind than its home "speculative" (speculative) to move a share to; there is none',
+        22,
     ),
     "saturated_is_preferred": ("classes[0].route.saturated", '"speculative" is route.preferred', 20),
     "saturation_without_saturated": ("classes[1].route.saturation", "without route.saturated", 26),
@@ -185,7 +185,7 @@ def test_unknown_field_suggests_the_closest_name() -> None:
     assert [str(i) for i in info.value.issues] == [
         "classes[0].route.preferred: required field missing (line 8)",
         'classes[0].route.prefered: unknown field "prefered"; did you mean "preferred"? '
-        "(allowed: preferred, saturated, fallback, saturation, ttft_deadline_s, fallback_model) (line 8)",
+        "(allowed: preferred, saturated, fallback, saturation, ttft_deadline_s, fallback_model, pin) (line 8)",
     ]
 
 

@@ -1,0 +1,25 @@
+"""The building blocks of the routing YAML's models: strict models, YAML numbers, pool kinds."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+PoolKind = Literal["speculative", "standard"]
+
+
+def _int_to_float(v: object) -> object:
+    # The models are strict (no "0.5" strings for numbers), and strict mode also refuses an int for a float field:
+    # YAML authors write `lte: 512` and `weight: 2`.
+    if isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+Number = Annotated[float, BeforeValidator(_int_to_float)]
+OptionalNumber = Annotated[float | None, BeforeValidator(_int_to_float)]  # keeps `minimum` etc. in the JSON schema
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)

@@ -1,0 +1,199 @@
+"""Expected completion time of one request of a traffic class on one pool: what the class controllers compare.
+
+Pure: numbers in, numbers out. Per fresh endpoint of the pool, with ``r`` running and ``q`` waiting::
+
+    queue_s       = q x (pool_output_tokens x tpot) / max(r, 1)     a batch slot frees every decode / r seconds
+    first_token_s = tpot                                             prefill and the first step
+    decode_s      = output_tokens x class_tpot
+    expected_s    = queue_s + first_token_s + decode_s
+
+``tpot`` is the pool's measured mean time per output token (it already reflects its batch size). On a standard
+pool every request of the class decodes at that speed. On a speculative pool one engine step emits ``1 + rate x K``
+tokens per request on average (``rate``: vLLM's acceptance rate, accepted / draft tokens; ``K``: draft tokens per
+step), so the pool's TPOT, measured on its own traffic at the pool's acceptance, is rescaled to the class's::
+
+    class_tpot = tpot x (1 + pool_rate x K) / (1 + class_rate x K)
+
+A class whose acceptance was never measured uses a prior from its temperature band (``prior_rate``); a pool whose
+acceptance is unknown (its TPOT borrowed from another pool, or no drafts seen) is not rescaled. Prefill is
+folded into one step: both pools prefill the same prompt, so it does not move the comparison much.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.config.schema import Range
+from gateway.fleet.vllm_metrics import PoolLoadView
+
+DEFAULT_OUTPUT_TOKENS = 256.0
+# Per-token draft acceptance by temperature (the published shape: 0.81 / 0.71 / 0.52 / 0.38 at T 0 / 0.4 / 0.8 / 1.0).
+ACCEPTANCE_BY_TEMPERATURE: tuple[tuple[float, float], ...] = (
+    (0.0, 0.81),
+    (0.4, 0.71),
+    (0.8, 0.52),
+    (1.0, 0.38),
+    (1.5, 0.2),
+    (2.0, 0.1),
+)
+AcceptanceSource = Literal["measured", "last measured", "prior", "none"]
+
+
+def expected_delay(
+    view: PoolLoadView, tpot_fallback_s: float, *, output_tokens: float = DEFAULT_OUTPUT_TOKENS
+) -> float | None:
+    """Seconds until a new request sent to ``view``'s pool has its first token and its ``output_tokens`` decoded,
+    at the pool's own TPOT (``tpot_mean_s``, else ``tpot_fallback_s``): the estimate above with the class's speed
+    equal to the pool's. None when the pool is stale: unknown, never 0."""
+    if view.stale or view.running is None or view.waiting is None:
+        return None
+    measured = view.tpot_mean_s
+    tpot = measured if measured is not None and measured > 0 and math.isfinite(measured) else tpot_fallback_s
+    if not (tpot > 0 and math.isfinite(tpot)):
+        return None
+    endpoints = max(view.fresh_endpoints, 1)
+    running, waiting = view.running / endpoints, view.waiting / endpoints
+    decode = output_tokens * tpot
+    return waiting * decode / max(running, 1.0) + tpot + decode
+
+
+def per_token_acceptance(temperature: float) -> float:
+    """The per-token acceptance at ``temperature``, linear between the published points."""
+    pts = ACCEPTANCE_BY_TEMPERATURE
+    if temperature <= pts[0][0]:
+        return pts[0][1]
+    for (t0, a0), (t1, a1) in itertools.pairwise(pts):
+        if temperature <= t1:
+            return a0 + (a1 - a0) * (temperature - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
+def rate_from_per_token(a: float, k: int) -> float:
+    """vLLM's acceptance rate (E[accepted] / K) for per-token acceptance ``a`` under the truncated geometric."""
+    if k <= 0:
+        return 0.0
+    if a >= 1.0:
+        return 1.0
+    return a * (1.0 - a**k) / (1.0 - a) / k
+
+
+def band_temperature(band: Range | None, default: float) -> float:
+    """The temperature a class stands for: the middle of its ``when.temperature`` range, its open side closed at
+    ``default`` (what a request without a temperature samples at) or 0; no range: ``default``."""
+    if band is None:
+        return default
+    low = max((b for b in (band.gt, band.gte) if b is not None), default=0.0)
+    high = min((b for b in (band.lt, band.lte) if b is not None), default=max(default, low))
+    return (low + high) / 2
+
+
+def prior_rate(band: Range | None, default_temperature: float, k: int) -> float:
+    """The acceptance rate assumed for a class of this temperature band until its own is measured."""
+    return rate_from_per_token(per_token_acceptance(band_temperature(band, default_temperature)), k)
+
+
+def tokens_per_step(rate: float | None, k: int) -> float:
+    """Tokens one request gets per engine step: 1 + rate x K (1 without speculation or a known rate)."""
+    return 1.0 if rate is None or not math.isfinite(rate) else 1.0 + max(0.0, rate) * k
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The expected completion time of one request of a class on one pool, with its inputs (explain shows them)."""
+
+    pool: str
+    kind: str
+    running: float  # per fresh endpoint
+    waiting: float  # per fresh endpoint
+    tpot_s: float  # the pool's time per output token (measured, else borrowed)
+    class_tpot_s: float  # this class's on the pool
+    output_tokens: float
+    queue_s: float
+    first_token_s: float
+    decode_s: float
+    acceptance: float | None = None  # the class's rate used (speculative pools)
+    acceptance_source: AcceptanceSource = "none"
+    pool_acceptance: float | None = None  # the rate the pool's TPOT was measured at
+
+    @property
+    def expected_s(self) -> float:
+        return self.queue_s + self.first_token_s + self.decode_s
+
+
+def estimate(
+    view: PoolLoadView,
+    kind: str,
+    tpot_s: float,
+    *,
+    output_tokens: float = DEFAULT_OUTPUT_TOKENS,
+    k: int = 0,
+    class_rate: float | None = None,
+    acceptance_source: AcceptanceSource = "none",
+    pool_rate: float | None = None,
+) -> Estimate | None:
+    """The class's expected completion time on the pool (module docstring); None when the pool is stale or the
+    TPOT unusable: unknown, never 0. ``k`` 0: a standard pool (no rescaling)."""
+    if view.stale or view.running is None or view.waiting is None or not (tpot_s > 0 and math.isfinite(tpot_s)):
+        return None
+    endpoints = max(view.fresh_endpoints, 1)
+    running, waiting = view.running / endpoints, view.waiting / endpoints
+    class_tpot = tpot_s
+    if k > 0 and pool_rate is not None:  # without the rate the pool's TPOT was measured at, nothing to rescale
+        class_tpot = tpot_s * tokens_per_step(pool_rate, k) / tokens_per_step(class_rate, k)
+    queue = waiting * DEFAULT_OUTPUT_TOKENS * tpot_s / max(running, 1.0)
+    return Estimate(
+        view.pool,
+        kind,
+        running,
+        waiting,
+        tpot_s,
+        class_tpot,
+        output_tokens,
+        queue,
+        tpot_s,
+        output_tokens * class_tpot,
+        class_rate if k > 0 else None,
+        acceptance_source if k > 0 else "none",
+        pool_rate if k > 0 else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One window's measurements for a class's two candidate pools. None = not measured (never read as 0)."""
+
+    samples: int  # the class's requests measured in the window
+    spec_delay_s: float | None  # the class's expected completion time on the speculative candidate pool
+    alt_delay_s: float | None  # the class's expected completion time on the standard candidate pool
+    spec_queue: float | None = None  # waiting per fresh endpoint of the speculative pool
+    spec_batch: float | None = None  # running per fresh endpoint of the speculative pool
+    acceptance: float | None = None  # the class's acceptance rate (Δaccepted / Δdraft_tokens) in the window
+    p95_s: float | None = None  # the class's p95 latency in the window
+    stale: bool = False
+
+    @classmethod
+    def from_views(
+        cls,
+        spec: PoolLoadView,
+        alt: PoolLoadView,
+        *,
+        samples: int,
+        tpot_fallback_s: float,
+        acceptance: float | None = None,
+        p95_s: float | None = None,
+        output_tokens: float = DEFAULT_OUTPUT_TOKENS,
+    ) -> Observation:
+        n = spec.fresh_endpoints
+        return cls(
+            samples=samples,
+            spec_delay_s=expected_delay(spec, tpot_fallback_s, output_tokens=output_tokens),
+            alt_delay_s=expected_delay(alt, tpot_fallback_s, output_tokens=output_tokens),
+            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
+            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
+            acceptance=acceptance,
+            p95_s=p95_s,
+            stale=spec.stale or alt.stale,
+        )
