@@ -28,7 +28,7 @@
         └── UpstreamTimeout           504 (no first byte in time; retryable)
 
 Errors from the upstream that carry their own status (vLLM's 400 for a prompt too long, say) are not raised:
-they are relayed with their status, and only their envelope is normalised (``openai.normalise_error_body``).
+they are relayed with their status, and only their envelope is normalised (``gateway.proxy.wire.normalise_error``).
 """
 
 from __future__ import annotations

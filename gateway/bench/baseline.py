@@ -1,10 +1,10 @@
-"""``specgate bench baseline``: the seed playbook's Phase 1 baseline, written to ``baseline_metrics.json``.
+"""``specgate bench baseline``: the latency baseline taken before a rollout, written to ``baseline_metrics.json``.
 
-Sends a fixed set of prompts (built in, or ``--prompts`` in the seed's ``eval_prompts.json`` shape:
+Sends a fixed set of prompts (built in, or ``--prompts`` in the usual ``eval_prompts.json`` shape:
 ``[{"text": ..., "max_tokens": ...}, ...]``) as streaming chat completions at temperature 0, ``--requests`` in all
 (the prompts in turn) with at most ``--concurrency`` in flight, to the gateway or straight to a vLLM server or
-``specgate sim``. The file keeps the seed's field names, so its weekly script and ``specgate report weekly`` read
-it; p99 and the fields after ``avg_tokens_per_sec`` are additions.
+``specgate sim``. The file keeps the field names common baseline scripts write, so such a weekly script and
+``specgate report weekly`` read it; p99 and the fields after ``avg_tokens_per_sec`` are additions.
 
 Field → what it measures, and its vLLM 0.33 counterpart (server side; the client's numbers add the network):
 
@@ -12,17 +12,17 @@ Field → what it measures, and its vLLM 0.33 counterpart (server side; the clie
   (``vllm:time_to_first_token_seconds``).
 - ``tpot_p50_ms`` / ... : (last chunk − first chunk) / (output tokens − 1), requests with more than one token
   (``vllm:request_time_per_output_token_seconds``: decode time / (generated tokens − 1)). Output tokens are the
-  final usage chunk's ``completion_tokens`` (``stream_options.include_usage``); the seed counted content chunks,
-  which under speculative decoding undercounts (one engine step, one chunk, can carry several accepted tokens) and
+  final usage chunk's ``completion_tokens`` (``stream_options.include_usage``); counting content chunks (as simple
+  scripts do) under speculative decoding undercounts (one engine step, one chunk, can carry several accepted tokens) and
   so overstates TPOT. Without usage the chunk count is used (``token_count_source``).
 - ``e2e_p50_ms`` / ... : request sent → stream end (``vllm:e2e_request_latency_seconds``; the gateway's
   ``specgate_request_duration_seconds``, which ``report weekly`` compares against these).
 - ``total_tokens``: output tokens of the successful requests (``vllm:generation_tokens_total``'s increase).
-- ``avg_tokens_per_sec``: the seed's definition, total_tokens / Σ E2E (per-request generation speed);
+- ``avg_tokens_per_sec``: the usual definition, total_tokens / Σ E2E (per-request generation speed);
   ``throughput_tokens_per_sec``: total_tokens / wall-clock time of the run (what the server delivered).
 - ``by_class``: through the gateway, the same E2E/TTFT/TPOT percentiles per ``x-specgate-class``.
 
-Percentiles use the seed's rule: p50 the median, pN the value at index ``int(n × N/100)`` of the sorted list.
+Percentiles use the usual scripts' rule: p50 the median, pN the value at index ``int(n × N/100)`` of the sorted list.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Result:
 
 
 def load_prompts(path: Path | None) -> list[tuple[str, int]]:
-    """The built-in prompts, or a JSON list of ``{"text", "max_tokens"?}`` (the seed's eval_prompts.json)."""
+    """The built-in prompts, or a JSON list of ``{"text", "max_tokens"?}`` (the usual eval_prompts.json)."""
     if path is None:
         return list(PROMPTS)
     data = json.loads(path.read_text())
@@ -85,7 +85,7 @@ def load_prompts(path: Path | None) -> list[tuple[str, int]]:
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
-    """The seed's rule: sorted(values)[int(n × pct/100)], the median for 50."""
+    """The usual scripts' rule: sorted(values)[int(n × pct/100)], the median for 50."""
     if pct == 50:
         return statistics.median(values)
     ordered = sorted(values)
@@ -158,7 +158,7 @@ def _percentiles(results: Sequence[Result]) -> dict[str, float | None]:
 
 
 def summarise(results: Sequence[Result], *, wall_s: float, url: str, model: str, concurrency: int) -> dict[str, Any]:
-    """The baseline file's content (the seed's fields first)."""
+    """The baseline file's content (the common fields first)."""
     ok = [r for r in results if r.ok]
     if not ok:
         errors = sorted({r.error for r in results})[:3]

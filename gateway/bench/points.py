@@ -12,7 +12,7 @@ POLICIES = ("standard", "speculative", "nginx", "adaptive")
 LABELS = {
     "standard": "2x standard",
     "speculative": "2x speculative",
-    "nginx": "NGINX seed rule",
+    "nginx": "NGINX temperature rule",
     "adaptive": "specgate adaptive",
 }
 POLICY_FILES = {

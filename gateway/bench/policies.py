@@ -5,8 +5,8 @@ speculative + standard servers of the mixed fleet) and the gateway in front of t
 
 - ``standard``: only standard servers (``bench/policies/standard-only.yaml``);
 - ``speculative``: only speculative servers (``bench/policies/speculative-only.yaml``);
-- ``nginx``: the mixed fleet behind the seed playbook's NGINX + Lua rule, ported as a routing file
-  (``bench/policies/nginx-seed.yaml``, missing temperature → speculative, as the Lua does);
+- ``nginx``: the mixed fleet behind a common NGINX + Lua rule (temperature and max_tokens thresholds), ported as a
+  routing file (``bench/policies/nginx-seed.yaml``, missing temperature → speculative, as the Lua does);
 - ``adaptive``: the mixed fleet behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
   mix), with its controllers; their time constants are scaled like the simulators' clocks
   (``bench controller``'s ``scaled_rules``).

@@ -388,7 +388,7 @@ def bench_baseline_cmd(
         "baseline_metrics.json"
     ),
 ) -> None:
-    """Playbook Phase 1: TTFT/TPOT/E2E p50/p95/p99 and tokens/s of streaming requests -> baseline_metrics.json.
+    """Before a rollout: TTFT/TPOT/E2E p50/p95/p99 and tokens/s of streaming requests -> baseline_metrics.json.
     API key: SPECGATE_API_KEY."""
     import asyncio
     import json
@@ -429,7 +429,7 @@ def report_weekly_cmd(
     output_format: Annotated[str, typer.Option("--format", help="markdown | json.")] = "markdown",
     out_file: Annotated[Path | None, typer.Option("--out", help="Write the report here (default: stdout).")] = None,
 ) -> None:
-    """Playbook Phase 7: acceptance per pool and class, E2E speedup against the baseline, fallbacks, controller
+    """Weekly: acceptance per pool and class, E2E speedup against the baseline, fallbacks, controller
     transitions, recommendations."""
     import json
 
@@ -515,7 +515,7 @@ def bench_policies_cmd(
         "bench-results/policies"
     ),
 ) -> None:
-    """Routing policies (2x standard, 2x speculative, the seed's NGINX rule, specgate adaptive) on simulated pools
+    """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive) on simulated pools
     across offered loads: report.md, PNG plots, raw JSONL."""
     from gateway.bench.mix import load_mix
     from gateway.bench.points import Setup

@@ -1,4 +1,4 @@
-"""Operators' reports from Prometheus (``specgate report …``): the seed playbook's weekly check (``weekly``)."""
+"""Operators' reports from Prometheus (``specgate report …``): the weekly speculative-decoding check (``weekly``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def weekly_report(
     at: float | None = None,
     thresholds: Thresholds | None = None,
 ) -> dict[str, Any]:
-    """The Phase 7 report as a JSON-ready dict. ValueError: bad arguments or baseline; PromError: Prometheus."""
+    """The weekly report as a JSON-ready dict. ValueError: bad arguments or baseline; PromError: Prometheus."""
     range_s = parse_duration(range_)
     window_s = parse_duration(window) if window else default_window_s(range_s)
     if window_s > range_s:

@@ -1,26 +1,26 @@
-"""``specgate report weekly``: the seed playbook's Phase 7 weekly check, from Prometheus, on current vLLM names.
+"""``specgate report weekly``: the weekly speculative-decoding check, from Prometheus, on current vLLM names.
 
 Queries (all instant queries at one time, over ``--range``, default 7d; ``--window`` is the width of the windows
 the min/max are taken over, default ``min(5m, range/10)``):
 
 - acceptance per pool: Σrate(``vllm:spec_decode_num_accepted_tokens_total``) / Σrate(
   ``vllm:spec_decode_num_draft_tokens_total``) by the ``pool`` target label (the scrape config sets it: see
-  docker/prometheus/prometheus.yml). The seed read ``vllm:spec_decode_draft_acceptance_rate``, a V0 gauge that is
+  docker/prometheus/prometheus.yml). Older setups read ``vllm:spec_decode_draft_acceptance_rate``, a V0 gauge that is
   gone; ``avg`` is now the token-weighted rate over the whole range, ``min``/``max`` the lowest/highest rate of any
   window in it (a subquery). A window without drafts has no value, never 0.
 - acceptance per traffic class: the same from the gateway's ``specgate_class_accepted_draft_tokens_total`` /
   ``specgate_class_draft_tokens_total`` (vLLM's per-request spec-decode metrics, summed by the gateway).
 - E2E speedup: the baseline file's ``e2e_p50_ms`` / ``e2e_p95_ms`` (``specgate bench baseline``) over the p50 /
   p95 of ``specgate_request_duration_seconds`` (histogram_quantile; as fine as its buckets), overall and per class
-  (a class's own baseline when the file has ``by_class``). The seed used vLLM's E2E histogram; the gateway's is
+  (a class's own baseline when the file has ``by_class``). A typical setup used vLLM's E2E histogram; the gateway's is
   what a client sees, and it has the class.
-- fallbacks: the seed counted its Phase 6 guard's switches to standard decoding. Here that is
+- fallbacks: a fallback guard's switches to standard decoding are counted. Here that is
   ``specgate_controller_transitions_total`` with a guard reason (``acceptance_floor``, ``latency_regression``,
   ``locked``): ``fallback_count``. Every transition is listed by class/from/to/reason, and the gateway's pool
   fallbacks (``specgate_fallbacks_total``: retries on another pool before the first byte) separately.
 
-Recommendations quote the playbook's thresholds (``Thresholds``). Missing data is ``null`` in JSON and "no data"
-in markdown, and never triggers a recommendation.
+Recommendations quote common speculative-decoding thresholds (``Thresholds``). Missing data is ``null`` in JSON and
+"no data" in markdown, and never triggers a recommendation.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ GUARD_REASONS = ("acceptance_floor", "latency_regression", "locked")
 class Thresholds:
     """The thresholds of the recommendations (the same as the alert rules' where they overlap)."""
 
-    accept_critical: float = 0.3  # Phase 4 CriticalAcceptRatio: < 0.3 → switch to standard decoding now
-    accept_low: float = 0.5  # Phase 4 LowAcceptRatio, troubleshooting 1: < 0.5 → replace the draft or disable SD
-    accept_review: float = 0.55  # Phase 7 / checklist: < 0.55 → replace the draft model or train an EAGLE-3 head
-    accept_guard: float = 0.4  # Phase 6 FallbackConfig.accept_ratio_threshold: the automatic fallback's floor
-    min_speedup: float = 1.3  # Phase 7 / checklist: E2E p50 speedup < 1.3x → reconsider cost-effectiveness
-    latency_regression_pct: float = 20.0  # Phase 6: p95 > 20% worse than the baseline → fall back
-    max_fallbacks: int = 5  # Phase 7: more than 5 fallbacks a week → check the draft model's quality
+    accept_critical: float = 0.3  # CriticalAcceptRatio: < 0.3 → switch to standard decoding now
+    accept_low: float = 0.5  # LowAcceptRatio, troubleshooting 1: < 0.5 → replace the draft or disable SD
+    accept_review: float = 0.55  # rule of thumb: < 0.55 → replace the draft model or train an EAGLE-3 head
+    accept_guard: float = 0.4  # FallbackConfig.accept_ratio_threshold: the automatic fallback's floor
+    min_speedup: float = 1.3  # rule of thumb: E2E p50 speedup < 1.3x → reconsider cost-effectiveness
+    latency_regression_pct: float = 20.0  # p95 > 20% worse than the baseline → fall back
+    max_fallbacks: int = 5  # more than 5 fallbacks a week → check the draft model's quality
 
 
 def load_baseline(path: Path) -> dict[str, Any]:
-    """The baseline file (``specgate bench baseline``, or the seed's own script); ValueError when unusable."""
+    """The baseline file (``specgate bench baseline``, or a compatible script); ValueError when unusable."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -231,7 +231,7 @@ def _acceptance_recs(scope: str, target: str, accept: dict[str, Any], th: Thresh
                 "critical",
                 scope,
                 target,
-                f"acceptance {avg:.2f} < {th.accept_critical} (Phase 4 "
+                f"acceptance {avg:.2f} < {th.accept_critical} ("
                 f"CriticalAcceptRatio): switch {where} to standard decoding now ({fix})",
             )
         ]
@@ -241,7 +241,7 @@ def _acceptance_recs(scope: str, target: str, accept: dict[str, Any], th: Thresh
                 "warning",
                 scope,
                 target,
-                f"acceptance {avg:.2f} < {th.accept_low} (Phase 4 LowAcceptRatio: "
+                f"acceptance {avg:.2f} < {th.accept_low} (LowAcceptRatio: "
                 f"speculation costs more than it saves): replace the draft model or {fix}",
             )
         ]
@@ -252,8 +252,7 @@ def _acceptance_recs(scope: str, target: str, accept: dict[str, Any], th: Thresh
                 "warning",
                 scope,
                 target,
-                f"acceptance {avg:.2f} < {th.accept_review} (Phase 7): replace the "
-                "draft model or train an EAGLE-3 head",
+                f"acceptance {avg:.2f} < {th.accept_review}: replace the draft model or train an EAGLE-3 head",
             )
         )
     if low is not None and low < th.accept_guard:
@@ -263,7 +262,7 @@ def _acceptance_recs(scope: str, target: str, accept: dict[str, Any], th: Thresh
                 scope,
                 target,
                 f"acceptance fell to {low:.2f} in a {win} window, below the automatic "
-                f"fallback floor {th.accept_guard} (Phase 6): check which traffic drove it down",
+                f"fallback floor {th.accept_guard}: check which traffic drove it down",
             )
         )
     return out
@@ -278,7 +277,7 @@ def _speed_recs(scope: str, target: str, p50: Any, p95_reg: Any, th: Thresholds)
                 scope,
                 target,
                 f"E2E p50 speedup {p50:.2f}x < {th.min_speedup}x against the baseline "
-                "(Phase 7): reconsider whether speculative decoding pays for itself here",
+                ": reconsider whether speculative decoding pays for itself here",
             )
         )
     if p95_reg is not None and p95_reg > th.latency_regression_pct:
@@ -288,14 +287,14 @@ def _speed_recs(scope: str, target: str, p50: Any, p95_reg: Any, th: Thresholds)
                 scope,
                 target,
                 f"E2E p95 is {p95_reg:.0f}% worse than the baseline (> "
-                f"{th.latency_regression_pct:.0f}%, Phase 6): the fallback criterion is met; move it to standard",
+                f"{th.latency_regression_pct:.0f}%): the fallback criterion is met; move it to standard",
             )
         )
     return out
 
 
 def recommend(report: dict[str, Any], th: Thresholds) -> list[dict[str, str]]:
-    """The playbook's rules applied to a report; a number that is missing never triggers one."""
+    """The rules of thumb applied to a report; a number that is missing never triggers one."""
     win = str(report.get("window", ""))
     recs: list[dict[str, str]] = []
     for pool in report["pools"]:
@@ -311,7 +310,7 @@ def recommend(report: dict[str, Any], th: Thresholds) -> list[dict[str, str]]:
                     "class",
                     cls["class"],
                     f"{cls['fallback_count']} automatic fallbacks (> "
-                    f"{th.max_fallbacks} a week, Phase 7): check the draft model's quality for this traffic",
+                    f"{th.max_fallbacks} a week): check the draft model's quality for this traffic",
                 )
             )
     sp = report["speedup"]

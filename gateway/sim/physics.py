@@ -373,7 +373,7 @@ _METHOD_FACTORS: Mapping[str, float] = MappingProxyType(
 class AcceptanceModel:
     """Per-request draft acceptance ``a``: ``base(temperature) × task factor × method factor``, clipped, then drawn.
 
-    ``temperature_points``: the piecewise-linear base (the seeds' points, extended above 1.0 down to ``floor``).
+    ``temperature_points``: the piecewise-linear base (the published points, extended above 1.0 down to ``floor``).
     ``task_factors[family][task]`` with family ``lookup`` (ngram, suffix) or ``model`` (draft model, EAGLE, MTP…);
     an unknown task counts as ``chat``. ``concentration`` κ of the per-request Beta(κ·m, κ·(1−m)); κ → ∞ (or 0)
     gives every request the mean. Draws are capped at ``draw_max``.

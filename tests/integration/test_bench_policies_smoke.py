@@ -25,7 +25,7 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     assert sum(p.summary.errors for p in points) == 0
     report = (tmp_path / "report.md").read_text()
     assert "## p99 E2E (s)" in report
-    assert "NGINX seed rule" in report
+    assert "NGINX temperature rule" in report
     assert "beats the NGINX rule" in report
     assert "## Harness CPU" in report
     for name in ("policies.png", "e2e_p50.png", "e2e_p99.png", "tpot_p50.png", "goodput.png"):
@@ -36,7 +36,7 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     assert {r["repeat"] for r in rows} == {0, 1}  # two runs per point, pooled
     assert "2 runs per point" in report
     nginx = [r for r in rows if r["policy"] == "nginx" and r["status"] == 200]
-    assert {r["pool"] for r in nginx} == {"speculative"}  # the seed rule sends this whole mix to speculation
+    assert {r["pool"] for r in nginx} == {"speculative"}  # the NGINX rule sends this whole mix to speculation
     streamed = [r for r in rows if r["stream"] and r["status"] == 200]
     assert streamed
     assert all(r["ttft_s"] is not None and r["completion_tokens"] > 0 for r in streamed)
