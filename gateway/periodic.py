@@ -10,6 +10,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 
+def raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` when the current task was asked to stop. A loop calls it each round: a library that
+    turns a cancellation into another exception (a timeout, a connection error the loop retries) must not make the
+    loop run on forever, and the task's shutdown with it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def run_every(
     step: Callable[[], Awaitable[object]],
     interval_s: Callable[[], float],
@@ -25,6 +34,7 @@ async def run_every(
     if sleep_first:
         await asyncio.sleep(interval_s())
     while True:
+        raise_if_cancelled()
         started = time.monotonic()
         try:
             await step()

@@ -39,7 +39,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.cluster.lease import LeaderLease
-from gateway.periodic import cancel_and_wait, run_every
+from gateway.periodic import cancel_and_wait, raise_if_cancelled, run_every
 from gateway.store.redis import connection_pool
 
 logger = logging.getLogger("specgate.cluster")
@@ -296,11 +296,13 @@ class ClusterNode:
     async def _follow(self) -> None:
         """Subscribe to the channel; read the key at (re)subscription and whenever nothing came for an interval."""
         while True:
+            raise_if_cancelled()
             pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
                 self._accept(await self._client.get(self.snapshot_key))
                 while True:
+                    raise_if_cancelled()
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._interval_s())
                     if msg is not None and msg.get("type") == "message":
                         self._accept(msg.get("data"))
@@ -363,6 +365,7 @@ def _quiet(step: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[None
         try:
             await step()
         except (RedisError, OSError) as exc:
+            raise_if_cancelled()  # a cancellation a client library turned into a timeout is still one
             logger.debug("cluster step: %s", exc)
 
     return run

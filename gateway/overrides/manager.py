@@ -42,6 +42,7 @@ from gateway.overrides.model import parse_reason as parse_reason
 from gateway.overrides.model import parse_ttl as parse_ttl
 from gateway.overrides.model import parse_weight as parse_weight
 from gateway.overrides.store import OverrideStore
+from gateway.periodic import raise_if_cancelled
 from gateway.routing.route_state import RoutingState
 from gateway.store.base import StoreUnavailable
 
@@ -412,6 +413,7 @@ class OverrideManager:
         next_read = 0.0
         try:
             while True:
+                raise_if_cancelled()
                 now = time.monotonic()
                 try:
                     if self._dirty or now >= next_read:

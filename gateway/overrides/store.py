@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.periodic import raise_if_cancelled
 from gateway.store.base import StoreUnavailable
 from gateway.store.redis import connection_pool
 
@@ -295,11 +296,13 @@ class RedisOverrideStore:
 
     async def changes(self) -> AsyncIterator[None]:
         while True:
+            raise_if_cancelled()
             pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self._channel)
                 yield  # (re)subscribed: whatever changed meanwhile is read now
                 while True:
+                    raise_if_cancelled()
                     if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0) is not None:
                         yield
             except (RedisError, OSError) as exc:
