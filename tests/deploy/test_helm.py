@@ -309,9 +309,9 @@ def test_gateway_has_a_writable_tmp(docs: list[Doc]) -> None:
 
 
 def _gateway_drain_seconds() -> int:
-    # The gateway's drain on SIGTERM: uvicorn's timeout_graceful_shutdown in gateway/cli/main.py.
-    m = re.search(r'"timeout_graceful_shutdown":\s*(\d+)', (REPO / "gateway" / "cli.py").read_text())
-    assert m, "timeout_graceful_shutdown not found in gateway/cli/main.py"
+    # The gateway's drain on SIGTERM: uvicorn's timeout_graceful_shutdown in gateway/cli/serve.py.
+    m = re.search(r'"timeout_graceful_shutdown":\s*(\d+)', (REPO / "gateway" / "cli" / "serve.py").read_text())
+    assert m, "timeout_graceful_shutdown not found in gateway/cli/serve.py"
     return int(m.group(1))
 
 

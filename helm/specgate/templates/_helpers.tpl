@@ -94,7 +94,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- $pools := list }}
 {{- range $name := list "speculative" "standard" }}
 {{- $p := index $.Values.pools $name }}
-{{- $pool := dict "name" $name "kind" $name "models" $p.models "timeouts" $p.timeouts }}
+{{- $base := dict }}
+{{- range $fp := $rules.pools }}{{- if eq $fp.name $name }}{{- $base = omit $fp "endpoints" "api_key_env" "speculative" }}{{- end }}{{- end }}
+{{- $pool := merge (dict "name" $name "kind" $name "models" $p.models "timeouts" $p.timeouts) $base }}
 {{- $_ := set $pool "api_key_env" (include "specgate.poolKeyEnv" $name) }}
 {{- $_ := set $pool "endpoints" (include "specgate.poolEndpoints" (dict "ctx" $ "pool" $name) | fromYamlArray) }}
 {{- if eq $name "speculative" }}
