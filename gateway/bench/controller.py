@@ -36,6 +36,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config.controller import balancing_controller
 from gateway.sim.launch import free_port, plan_stand_ins, stand_in_rules, wait_for_port
 
 MODEL_PLACEHOLDER = "{model}"
@@ -109,8 +110,12 @@ def scaled_rules(rules: dict[str, Any], time_scale: float) -> dict[str, Any]:
     scrape["window_s"] = max(2.5 * interval, float(scrape.get("window_s", 60.0)) * time_scale)
     scrape.pop("stale_after_s", None)
     out["scrape"] = scrape
-    defaults = out.get("defaults")
-    if isinstance(defaults, dict) and isinstance(defaults.get("controller"), dict):
+    defaults = dict(out.get("defaults") or {})
+    kinds = {p.get("kind", "standard") for p in out.get("pools", []) if isinstance(p, dict)}
+    if "controller" not in defaults and len(kinds) > 1:  # the built-in balancing controller, scaled like a written one
+        defaults["controller"] = balancing_controller().model_dump(exclude_defaults=True)
+        out["defaults"] = defaults
+    if isinstance(defaults.get("controller"), dict):
         out["defaults"] = {**defaults, "controller": _scaled_controller(defaults["controller"], time_scale, interval)}
     classes = []
     for cls in out.get("classes", []):

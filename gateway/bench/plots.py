@@ -132,7 +132,13 @@ def target_check(points: list[Point], target: Target | None = None) -> list[str]
 
 
 def render_report(
-    points: list[Point], mix: Mix, setup: Setup, capacity_how: str, plots: list[str], policies: tuple[str, ...]
+    points: list[Point],
+    mix: Mix,
+    setup: Setup,
+    capacity_how: str,
+    plots: list[str],
+    policies: tuple[str, ...],
+    machine: str = "",
 ) -> str:
 
     adaptive = mix.rules or "routing_rules/default.yaml"
@@ -155,8 +161,13 @@ def render_report(
             if setup.controller_time_scale is not None
             else ""
         ),
+        f"- each load point starts with {setup.warmup_s:g} wall seconds of unmeasured arrivals at its rate (the "
+        "controllers adapt to the new load and the queues fill before anything is measured)"
+        if setup.warmup_s > 0
+        else "- no warm-up: each load point is measured from its first request",
         f"- capacity (100% load): {capacity_how}",
         "- all times and rates on the simulated clock (wall time / time scale)",
+        *([f"- machine: {machine}"] if machine else []),
         "",
         "## Policy target",
         "",
@@ -181,14 +192,16 @@ def write_report(
     out_dir: Path,
     policies: tuple[str, ...],
     log: Callable[[str], None],
+    machine: str = "",
 ) -> None:
-    """The plots (when matplotlib is there; otherwise one line to ``log`` saying how to get them) and report.md."""
+    """The plots (when matplotlib is there; otherwise one line to ``log`` saying how to get them) and report.md.
+    ``machine``: how busy the machine was (the load average), said in the report."""
     try:
         plots = plot_points(points, out_dir)
     except PlotsUnavailable as exc:
         log(str(exc))
         plots = []
-    (out_dir / "report.md").write_text(render_report(points, mix, setup, capacity_how, plots, policies))
+    (out_dir / "report.md").write_text(render_report(points, mix, setup, capacity_how, plots, policies, machine))
 
 
 def harness_cpu(points: list[Point]) -> list[str]:

@@ -28,14 +28,15 @@ class Setup:
     """How the simulated servers run."""
 
     time_scale: float = 0.5
-    max_num_seqs: int = 8
-    scale: int = 32  # a batch of max_num_seqs stands for one of max_num_seqs × scale
+    max_num_seqs: int = 32
+    scale: int = 8  # a batch of max_num_seqs stands for one of max_num_seqs × scale
     output_median: float = 80.0
     output_sigma: float = 0.5
     duration_s: float = 12.0  # wall seconds of arrivals per load point (per repeat)
     seed: int = 7
-    repeats: int = 1  # runs per load point with their own arrivals; percentiles over all their requests
-    controller_time_scale: float | None = None  # the controllers' time constants x this (None: time_scale)
+    repeats: int = 3  # runs per load point with their own arrivals; percentiles over all their requests
+    controller_time_scale: float | None = 0.1  # the controllers' time constants x this (None: time_scale)
+    warmup_s: float = 12.0  # wall seconds of arrivals at a load point's rate before its first measured run
     spec_servers: int = 1  # the mixed fleet: speculative servers ...
     std_servers: int = 1  # ... and standard ones; a homogeneous fleet gets as many servers in all
 

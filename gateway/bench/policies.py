@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -227,6 +228,15 @@ def run_policy(
             for i, load in enumerate(loads):
                 rate = load * capacity_rps
                 start = time.monotonic()
+                if setup.warmup_s > 0:  # the controllers settle at the new rate; nothing of it is measured
+                    warm = arrival_times(
+                        mix.arrival_kind(rate / setup.time_scale),
+                        rate / setup.time_scale,
+                        setup.warmup_s,
+                        random.Random(setup.seed + i + 500),
+                    )
+                    asyncio.run(run_load(url, mix, warm, model=model, seed=setup.seed + 600 + i,
+                                         time_scale=setup.time_scale))  # fmt: skip
                 meter.start()
                 results: list[Result] = []
                 for r in range(setup.repeats):  # repeat 0 has the seeds of a single run
@@ -269,7 +279,7 @@ def busiest(cpu: dict[str, float]) -> str:
 
 def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:
     """A rough wall-clock estimate: start-up per policy, arrivals plus the drain per load."""
-    return n_policies * (8.0 + n_loads * setup.repeats * (setup.duration_s + 6.0))
+    return n_policies * (8.0 + n_loads * (setup.warmup_s + 4.0 + setup.repeats * (setup.duration_s + 4.0)))
 
 
 def bench_policies(
@@ -300,8 +310,14 @@ def bench_policies(
         f"≈ {planned_seconds(len(policies), len(loads), setup) / 60:.1f} min"
     )
     points: list[Point] = []
+    before = os.getloadavg()[0]
     for policy in policies:
         rules = policy_rules(policy, adaptive, root)
         points += run_policy(policy, rules, mix, loads, capacity, setup, jsonl=jsonl, log=log)
-    write_report(points, mix, setup, how, out_dir, policies, log)
+    machine = (
+        f"{os.cpu_count()} cores, load average {before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
+        "(the harness-CPU section shows what the bench's own processes used; the load average also counts what "
+        "else ran)"
+    )
+    write_report(points, mix, setup, how, out_dir, policies, log, machine)
     return points

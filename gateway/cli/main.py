@@ -498,16 +498,19 @@ def bench_policies_cmd(
     ] = "standard,speculative,nginx,adaptive",
     time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
     duration: Annotated[float, typer.Option(help="Wall seconds of arrivals per load point.")] = 12.0,
-    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 8,
-    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 32,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 32,
+    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and requests (the same for every policy).")] = 7,
     repeats: Annotated[
         int, typer.Option(help="Runs per load point, each with its own arrivals; percentiles over all of them.")
-    ] = 1,
+    ] = 3,
     controller_time_scale: Annotated[
         float | None,
         typer.Option(help="Scrape and controller time constants x this instead of --time-scale (shorter windows)."),
-    ] = None,
+    ] = 0.1,
+    warmup: Annotated[
+        float, typer.Option(help="Wall seconds of unmeasured arrivals at each load before its measured runs.")
+    ] = 12.0,
     fleet: Annotated[
         str, typer.Option(help="Speculative+standard servers of the mixed fleet (homogeneous fleets: as many).")
     ] = "1+1",
@@ -537,6 +540,7 @@ def bench_policies_cmd(
             duration_s=duration,
             seed=seed,
             repeats=repeats,
+            warmup_s=warmup,
         )
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         names = tuple(p.strip() for p in policies.split(",") if p.strip())

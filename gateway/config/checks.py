@@ -180,7 +180,8 @@ def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
             continue
         if rules.controller_of(cls) is None or route.preferred not in kinds:
             continue  # an unknown preferred pool is reported by _pool_references
-        if rules.candidates(cls) is None:
+        implicit = cls.controller is None and "controller" not in rules.defaults.model_fields_set
+        if rules.candidates(cls) is None and not implicit:  # the built-in default balances where it can
             home = kinds[route.preferred]
             yield (
                 ("classes", i, "controller" if cls.controller is not None else "route"),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
-from gateway.config.base import Number, OptionalNumber, PoolKind, Strict
+from gateway.config.base import Number, OptionalNumber, Strict
 
 PROBE_CAP = 0.05  # the largest probe share a YAML may ask for
+SafeState = Literal["speculative", "standard", "home"]
 
 
 class ControllerConfig(Strict):
@@ -69,7 +72,11 @@ class ControllerConfig(Strict):
     )
     min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
     max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
-    safe_state: PoolKind = Field("standard", description="State while measurements are missing or stale.")
+    safe_state: SafeState = Field(
+        "standard",
+        description="State while measurements are missing or stale: a pool kind, or home (the class's "
+        "route.preferred: its static route).",
+    )
     disable_below: OptionalNumber = Field(
         None,
         ge=0,
@@ -106,3 +113,10 @@ class ControllerConfig(Strict):
                     f"thresholds out of order: max_{what}_enter {enter} must be below max_{what}_exit {exit_}"
                 )
         return self
+
+
+def balancing_controller() -> ControllerConfig:
+    """The controller of every class when the YAML says nothing (no ``defaults.controller`` key): home + a share
+    onto the other kind's pool while that is clearly faster for the class, and back. The estimate alone decides
+    (no acceptance bonus), and without measurements the class keeps its static route (``safe_state: home``)."""
+    return ControllerConfig(acceptance_weight=0.0, safe_state="home")

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from gateway.config.base import Number, OptionalNumber, Strict
 from gateway.config.base import PoolKind as PoolKind  # re-exported: the YAML's pool kinds
 from gateway.config.controller import ControllerConfig as ControllerConfig  # re-exported: a class's block
+from gateway.config.controller import balancing_controller
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -386,9 +387,10 @@ class Defaults(Strict):
         default_factory=OutlierDetection, description="Passive ejection of endpoints that keep failing."
     )
     controller: ControllerConfig | None = Field(
-        None,
-        description="The controller of every class that has no controller block of its own and no route.pin; "
-        "none: such classes keep their static route.",
+        default_factory=balancing_controller,
+        description="The controller of every class that has no controller block of its own and no route.pin. Left "
+        "out: a balancing controller (home + spill both ways by expected completion time, static route while "
+        "measurements are missing); null: such classes keep their static route.",
     )
 
 

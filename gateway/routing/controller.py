@@ -202,6 +202,12 @@ class Controller:
     def guard_tripped(self) -> bool:
         return self._guard.tripped
 
+    @property
+    def safe_kind(self) -> PoolKind:
+        """Where the class goes while measurements are missing: ``safe_state``, ``home`` resolved."""
+        safe = self.config.safe_state
+        return self.home if safe == "home" else safe
+
     def ratios(self) -> tuple[float, float]:
         """(exit ratio, enter ratio): the margins scaled by the class's last measured acceptance."""
         factor = 1.0 + self.config.acceptance_weight * (self._acceptance if self._acceptance is not None else 0.0)
@@ -222,7 +228,7 @@ class Controller:
             g = self._guard
             if g.tripped:
                 g.clear_since = now  # clearance needs reenable_after_s of fresh windows
-            target: PoolKind = "standard" if g.tripped or g.locked else self.config.safe_state
+            target: PoolKind = "standard" if g.tripped or g.locked else self.safe_kind
             if target != self._state:
                 return self._move(_SHARE[target], "stale", now, "measurements missing or stale")
             return self._hold("stale")

@@ -79,7 +79,7 @@ def decide(
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
         return Decision(c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model)
-    choice = routing.choose(c.traffic_class.name, rng, count=count)
+    choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
     plan = plan_route(
         c.traffic_class.route,
         f.model,

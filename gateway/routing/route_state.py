@@ -8,15 +8,19 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
 ``route.preferred``, and the first pool of the other kind among route.saturated, route.fallback, then all pools:
 ``RoutingRules.candidates``):
 
-- samples: the class's requests routed by this process in the last ``controller.window_s`` (counted by
-  ``state_for_request``, differenced against per-round snapshots);
+- samples: the class's requests routed in the last ``controller.window_s`` (counted by ``choose``, differenced
+  against per-round snapshots; a cluster's leader adds the other replicas'), or all of them since the class's share
+  last changed when that is more: a class too sparse to reach ``min_samples`` in one window (a minority class at
+  low load, exactly when speculation pays most) still gets a decision once it has that many requests;
 - the class's expected completion time on each pool (``gateway.routing.estimate``: queue, first step, output
   tokens x the class's time per token there), queue and batch from the scraped ``PoolLoadView``\\ s, averaged over
   the fresh rounds of the window (one scrape of a queue is noise); a pool without a TPOT measurement in the scrape
   window (idle: no request finished) uses its last measured TPOT (and the acceptance it was measured at), else the
   other candidate's, else ``DEFAULT_TPOT_S``. On the speculative pool the TPOT is rescaled from the pool's
-  acceptance to the class's: measured in the window, else its last measured, else the prior of its temperature
-  band (``controller.prior_acceptance`` overrides it); without the pool's acceptance it is not rescaled;
+  acceptance to the class's: measured in the window, else its last measured, else a prior: that of the
+  temperatures the class's requests carry (a running mean over about its last 20), before any request that of
+  its temperature band (``controller.prior_acceptance`` overrides both); without the pool's acceptance it is not
+  rescaled;
 - acceptance: the class's own rate over the window, Δaccepted / Δdraft tokens of the gateway's per-class counters
   (``specgate_class_draft_tokens`` / ``specgate_class_accepted_draft_tokens``, fed from the responses of
   speculative pools: in practice its speculative candidate's); when the class ran on its speculative pool in the
@@ -55,10 +59,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
-from gateway.routing.estimate import AcceptanceSource, Estimate, estimate, prior_rate
+from gateway.routing.estimate import (
+    AcceptanceSource,
+    Estimate,
+    estimate,
+    per_token_acceptance,
+    prior_rate,
+    rate_from_per_token,
+)
 
 logger = logging.getLogger("specgate.controller")
 
+SEEN_WEIGHT = 0.05  # weight of one request's temperature in its class's mean: about the last 20 requests
 DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither candidate pool has a measurement
 STATES: tuple[RouteState, ...] = ("speculative", "split", "standard")
 DRAFT_TOKENS = "specgate_class_draft_tokens"
@@ -100,10 +112,16 @@ class _Class:
     since: float  # when this controller was made: the first window's base
     k: int = 0  # draft tokens per step of the speculative pool
     prior: float = 0.0  # acceptance rate assumed until measured
+    prior_fixed: bool = False  # prior_acceptance set in the YAML: the requests' temperatures do not move it
+    # mean per-token acceptance the class's requests' temperatures stand for (an EWMA; None: no request seen)
+    seen_acceptance: float | None = None
     probe: float = 0.0  # the probe share in force (set each round)
     estimates: tuple[Estimate | None, Estimate | None] = (None, None)  # (speculative, standard) of the last round
     requests: int = 0  # cumulative, bumped per routed request
     start_requests: int = 0  # ``requests`` when this controller was made
+    # the class's requests (cluster-wide) when its share last changed: a sparse class gathers min_samples over
+    # several windows instead of never reaching it in one
+    moved_at_requests: float | None = None
     # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
     history: deque[tuple[float, float, float, float]] = field(default_factory=deque)
     # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
@@ -212,10 +230,13 @@ class RoutingState:
         c = self._classes.get(class_name)
         return None if c is None else c.controller.state
 
-    def choose(self, class_name: str, rng: random.Random, *, count: bool = True) -> RouteChoice | None:
+    def choose(
+        self, class_name: str, rng: random.Random, *, count: bool = True, temperature: float | None = None
+    ) -> RouteChoice | None:
         """The pool kind for one request of the class (None: the class has no controller). While the class is
         split, the speculative pool is picked with probability ``share``. ``count``: the request counts toward
-        the controller's samples (explain passes False)."""
+        the controller's samples (explain passes False). ``temperature``: the request's (its default applied),
+        for the class's prior acceptance until its own is measured."""
         c = self._classes.get(class_name)
         if c is None:
             forced = self._forced.get(class_name)
@@ -225,6 +246,10 @@ class RoutingState:
             return RouteChoice(kind, kind, 1.0 if kind == "speculative" else 0.0, forced=True)
         if count:
             c.requests += 1
+            if temperature is not None:
+                a = per_token_acceptance(temperature)
+                seen = c.seen_acceptance
+                c.seen_acceptance = a if seen is None else seen + (a - seen) * SEEN_WEIGHT
         ctl = c.controller
         adopted = self._adopted.get(class_name)
         if adopted is not None and class_name not in self._forced:
@@ -336,16 +361,22 @@ class RoutingState:
                 spec_view = views.get(c.spec_pool)
                 if spec_view is not None and spec_view.acceptance is not None:
                     acceptance = spec_view.acceptance.rate
+            if c.moved_at_requests is None:
+                c.moved_at_requests = base_requests
+            # the window's samples, or all since the last share change when that is more (a sparse class)
+            since_move = max(requests - base_requests, requests - c.moved_at_requests)
             obs = self._observation(
                 c,
                 views.get(c.spec_pool),
                 views.get(c.std_pool),
-                samples=max(0, round(requests - base_requests)),
+                samples=max(0, round(since_move)),
                 acceptance=acceptance,
                 p95_s=p95,
             )
             before = c.controller.share
             t = c.controller.observe(now, _windowed(c.fresh, now, cfg.window_s, obs))
+            if c.controller.share != before:
+                c.moved_at_requests = requests
             if t is not None:
                 self._record(t)
                 out.append(t)
@@ -414,12 +445,16 @@ class RoutingState:
 
     @staticmethod
     def _class_rate(c: _Class, acceptance: float | None) -> tuple[float, AcceptanceSource]:
-        """The class's acceptance rate for its estimate: this window's, else its last measured, else the prior."""
+        """The class's acceptance rate for its estimate: this window's, else its last measured, else the prior:
+        ``prior_acceptance`` when the YAML sets it, else that of the temperatures its requests actually carry
+        (a catch-all class of temperature-0.8 chat is not temperature-1.0 traffic), else its temperature band's."""
         if acceptance is not None and math.isfinite(acceptance):
             return acceptance, "measured"
         last = c.controller.acceptance
         if last is not None:
             return last, "last measured"
+        if not c.prior_fixed and c.seen_acceptance is not None:
+            c.prior = rate_from_per_token(c.seen_acceptance, c.k)
         return c.prior, "prior"
 
     def _tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
@@ -509,6 +544,7 @@ class RoutingState:
             spec_cfg = rules.pool(spec).speculative
             k = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
             prior = cfg.prior_acceptance
+            fixed = prior is not None
             if prior is None:
                 prior = prior_rate(cls.when.temperature, rules.defaults.temperature, k)
             old = self._classes.get(name)
@@ -518,14 +554,15 @@ class RoutingState:
                 and old.controller.home == home
                 and (old.spec_pool, old.std_pool) == (spec, std)
             ):
-                old.k, old.prior = k, prior
+                old.k, old.prior, old.prior_fixed = k, prior, fixed
                 continue
             share = old.controller.share if old is not None else None
             controller = Controller(name, cfg, initial=home, share=share, now=now, home=home)
             count = old.requests if old is not None else 0
             self._classes[name] = _Class(
-                controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count
-            )
+                controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count, prior_fixed=fixed,
+                seen_acceptance=None if old is None else old.seen_acceptance,
+            )  # fmt: skip
             self._set_gauge(name, controller.state, controller.share)
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
@@ -551,6 +588,6 @@ def _why(ctl: Controller, pick: PoolKind) -> Why:
         return "guard"
     if ctl.forced_until is not None:
         return "forced"
-    if ctl.last_reason == "stale" and pick == ctl.config.safe_state:
+    if ctl.last_reason == "stale" and pick == ctl.safe_kind:
         return "stale"
     return "home" if pick == ctl.home else "spill"
