@@ -48,20 +48,21 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing.class_track import ClassTrack, Why, windowed
+from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
+from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
-    Estimate,
     estimate,
     per_token_acceptance,
     prior_rate,
@@ -75,88 +76,6 @@ DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither candid
 STATES: tuple[RouteState, ...] = ("speculative", "split", "standard")
 DRAFT_TOKENS = "specgate_class_draft_tokens"
 ACCEPTED_TOKENS = "specgate_class_accepted_draft_tokens"
-
-
-@dataclass(frozen=True, slots=True)
-class RouteChoice:
-    """The controller's answer for one request of a class."""
-
-    state: RouteState  # the class's route state: speculative | split | standard
-    pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
-    share: float  # the class's share of requests sent to the speculative pool first
-    forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
-    why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
-    pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
-
-
-Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeChange:
-    """A class starts or stops probing the speculative pool: one log line, one audit record."""
-
-    class_name: str
-    share: float  # the probe share now (0: stopped)
-    at: float
-    detail: str
-
-
-@dataclass(slots=True)
-class _Class:
-    """One controlled class: its controller, its candidate pools and its window counters."""
-
-    controller: Controller
-    spec_pool: str
-    std_pool: str
-    since: float  # when this controller was made: the first window's base
-    k: int = 0  # draft tokens per step of the speculative pool
-    prior: float = 0.0  # acceptance rate assumed until measured
-    prior_fixed: bool = False  # prior_acceptance set in the YAML: the requests' temperatures do not move it
-    # mean per-token acceptance the class's requests' temperatures stand for (an EWMA; None: no request seen)
-    seen_acceptance: float | None = None
-    probe: float = 0.0  # the probe share in force (set each round)
-    estimates: tuple[Estimate | None, Estimate | None] = (None, None)  # (speculative, standard) of the last round
-    requests: int = 0  # cumulative, bumped per routed request
-    start_requests: int = 0  # ``requests`` when this controller was made
-    # the class's requests (cluster-wide) when its share last changed: a sparse class gathers min_samples over
-    # several windows instead of never reaching it in one
-    moved_at_requests: float | None = None
-    # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
-    history: deque[tuple[float, float, float, float]] = field(default_factory=deque)
-    # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
-    fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
-
-
-def _windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: float, obs: Observation) -> Observation:
-    """``obs`` with its delays, queue and batch averaged over the fresh rounds of the last ``window_s``: one
-    scrape of a queue under Poisson arrivals is noise, and a decision on it flaps. A stale or incomplete round
-    passes as it is (the controller reacts to missing data at once) and empties the window."""
-    if obs.stale or obs.spec_delay_s is None or obs.alt_delay_s is None:
-        fresh.clear()
-        return obs
-    fresh.append((now, obs))
-    while fresh and fresh[0][0] <= now - window_s:
-        fresh.popleft()
-    rounds = [o for _, o in fresh]
-
-    def mean(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return sum(known) / len(known) if known else None
-
-    return replace(
-        obs,
-        spec_delay_s=mean([o.spec_delay_s for o in rounds]),
-        alt_delay_s=mean([o.alt_delay_s for o in rounds]),
-        spec_queue=mean([o.spec_queue for o in rounds]) if obs.spec_queue is not None else None,
-        spec_batch=mean([o.spec_batch for o in rounds]) if obs.spec_batch is not None else None,
-    )
-
-
-def candidates(rules: RoutingRules, class_name: str) -> tuple[str, str] | None:
-    """(speculative pool, standard pool) of a class's controller (``RoutingRules.candidates``), if it has both."""
-    cls = next((c for c in rules.classes if c.name == class_name), None)
-    return None if cls is None else rules.candidates(cls)
 
 
 class RoutingState:
@@ -178,7 +97,7 @@ class RoutingState:
         self._latency_p95 = latency_p95  # (class, pool, since) → p95 seconds
         self._on_transition = on_transition
         self._on_probe = on_probe
-        self._classes: dict[str, _Class] = {}
+        self._classes: dict[str, ClassTrack] = {}
         self._last_tpot: dict[str, tuple[float, float | None]] = {}  # per pool: last TPOT and its acceptance
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
@@ -374,7 +293,7 @@ class RoutingState:
                 p95_s=p95,
             )
             before = c.controller.share
-            t = c.controller.observe(now, _windowed(c.fresh, now, cfg.window_s, obs))
+            t = c.controller.observe(now, windowed(c.fresh, now, cfg.window_s, obs))
             if c.controller.share != before:
                 c.moved_at_requests = requests
             if t is not None:
@@ -385,7 +304,7 @@ class RoutingState:
             self._probe(name, c, now)
         return out
 
-    def _probe(self, name: str, c: _Class, now: float) -> None:
+    def _probe(self, name: str, c: ClassTrack, now: float) -> None:
         """Set the class's probe share for the next round; a log line and ``on_probe`` when it starts or stops."""
         share = c.controller.probe_share()
         if share == c.probe:
@@ -404,7 +323,7 @@ class RoutingState:
 
     def _observation(
         self,
-        c: _Class,
+        c: ClassTrack,
         spec: PoolLoadView | None,
         std: PoolLoadView | None,
         *,
@@ -444,7 +363,7 @@ class RoutingState:
         )
 
     @staticmethod
-    def _class_rate(c: _Class, acceptance: float | None) -> tuple[float, AcceptanceSource]:
+    def _class_rate(c: ClassTrack, acceptance: float | None) -> tuple[float, AcceptanceSource]:
         """The class's acceptance rate for its estimate: this window's, else its last measured, else the prior:
         ``prior_acceptance`` when the YAML sets it, else that of the temperatures its requests actually carry
         (a catch-all class of temperature-0.8 chat is not temperature-1.0 traffic), else its temperature band's."""
@@ -559,7 +478,7 @@ class RoutingState:
             share = old.controller.share if old is not None else None
             controller = Controller(name, cfg, initial=home, share=share, now=now, home=home)
             count = old.requests if old is not None else 0
-            self._classes[name] = _Class(
+            self._classes[name] = ClassTrack(
                 controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count, prior_fixed=fixed,
                 seen_acceptance=None if old is None else old.seen_acceptance,
             )  # fmt: skip

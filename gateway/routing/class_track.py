@@ -1,0 +1,89 @@
+"""What the routing state keeps per controlled traffic class, and the values it hands out: one request's
+``RouteChoice``, a ``ProbeChange``, the window bookkeeping (``ClassTrack``) and the window mean of a class's
+observations (``windowed``). Pure data and arithmetic; ``gateway.routing.route_state`` uses them."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from gateway.config.schema import PoolKind
+from gateway.routing.controller import Controller, Observation, RouteState
+from gateway.routing.estimate import Estimate
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """The controller's answer for one request of a class."""
+
+    state: RouteState  # the class's route state: speculative | split | standard
+    pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
+    share: float  # the class's share of requests sent to the speculative pool first
+    forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
+    why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
+    pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
+
+
+Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeChange:
+    """A class starts or stops probing the speculative pool: one log line, one audit record."""
+
+    class_name: str
+    share: float  # the probe share now (0: stopped)
+    at: float
+    detail: str
+
+
+@dataclass(slots=True)
+class ClassTrack:
+    """One controlled class: its controller, its candidate pools and its window counters."""
+
+    controller: Controller
+    spec_pool: str
+    std_pool: str
+    since: float  # when this controller was made: the first window's base
+    k: int = 0  # draft tokens per step of the speculative pool
+    prior: float = 0.0  # acceptance rate assumed until measured
+    prior_fixed: bool = False  # prior_acceptance set in the YAML: the requests' temperatures do not move it
+    # mean per-token acceptance the class's requests' temperatures stand for (an EWMA; None: no request seen)
+    seen_acceptance: float | None = None
+    probe: float = 0.0  # the probe share in force (set each round)
+    estimates: tuple[Estimate | None, Estimate | None] = (None, None)  # (speculative, standard) of the last round
+    requests: int = 0  # cumulative, bumped per routed request
+    start_requests: int = 0  # ``requests`` when this controller was made
+    # the class's requests (cluster-wide) when its share last changed: a sparse class gathers min_samples over
+    # several windows instead of never reaching it in one
+    moved_at_requests: float | None = None
+    # (time, requests, draft tokens, accepted tokens) at each round, oldest first; the first one is the window base
+    history: deque[tuple[float, float, float, float]] = field(default_factory=deque)
+    # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
+    fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
+
+
+def windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: float, obs: Observation) -> Observation:
+    """``obs`` with its delays, queue and batch averaged over the fresh rounds of the last ``window_s``: one
+    scrape of a queue under Poisson arrivals is noise, and a decision on it flaps. A stale or incomplete round
+    passes as it is (the controller reacts to missing data at once) and empties the window."""
+    if obs.stale or obs.spec_delay_s is None or obs.alt_delay_s is None:
+        fresh.clear()
+        return obs
+    fresh.append((now, obs))
+    while fresh and fresh[0][0] <= now - window_s:
+        fresh.popleft()
+    rounds = [o for _, o in fresh]
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) / len(known) if known else None
+
+    return replace(
+        obs,
+        spec_delay_s=mean([o.spec_delay_s for o in rounds]),
+        alt_delay_s=mean([o.alt_delay_s for o in rounds]),
+        spec_queue=mean([o.spec_queue for o in rounds]) if obs.spec_queue is not None else None,
+        spec_batch=mean([o.spec_batch for o in rounds]) if obs.spec_batch is not None else None,
+    )
