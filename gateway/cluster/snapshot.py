@@ -53,7 +53,7 @@ def build(
         "endpoints": endpoints,
         "pools": {name: _view_dict(v) for name, v in views.items()},
         "classes": {
-            name: {"state": c["state"], "share": c["share"], "probe_share": float(c.get("probe_share") or 0.0)}
+            name: {"state": c["state"], "share": c["share"]}
             for name, c in classes.items()
             if c.get("state") in _STATES and isinstance(c.get("share"), int | float)
         },
@@ -143,16 +143,3 @@ def _num(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
-
-
-def class_probes(snapshot: Mapping[str, Any]) -> dict[str, float]:
-    """Each controlled class's probe share as the leader's controller has it (0 when not probing)."""
-    out: dict[str, float] = {}
-    classes = snapshot.get("classes")
-    if not isinstance(classes, dict):
-        return out
-    for name, c in classes.items():
-        probe = c.get("probe_share") if isinstance(c, dict) else None
-        if isinstance(probe, int | float) and 0.0 <= probe <= 1.0:
-            out[str(name)] = float(probe)
-    return out

@@ -55,7 +55,6 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.class_track import ClassTrack, Why, windowed
@@ -187,18 +186,13 @@ class RoutingState:
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
-    def adopt(self, shares: Mapping[str, tuple[RouteState, float]], probes: Mapping[str, float] | None = None) -> None:
+    def adopt(self, shares: Mapping[str, tuple[RouteState, float]]) -> None:
         """Route on another replica's controllers: class → (state, share), for the classes this process controls
-        too (an on-call force here still wins), and class → probe share (the leader's, so that every replica
-        probes a never-measured class, not the leader alone; capped at ``PROBE_CAP``). An empty mapping returns to
-        this process's own controllers."""
+        too (an on-call force here still wins). An empty mapping returns to this process's own controllers."""
         self._adopted = {name: v for name, v in shares.items() if name in self._classes}
         for name, c in self._classes.items():
             state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
             self._set_gauge(name, state, share)
-            if probes is not None and name in self._adopted:
-                c.probe = min(PROBE_CAP, max(0.0, float(probes.get(name, 0.0))))
-                self.probe_share.labels(name).set(c.probe)
 
     @property
     def adopted(self) -> bool:

@@ -199,7 +199,7 @@ class Runtime:
                 self.metrics.endpoint_up.labels(ep.pool, ep.id).set(1 if ep.healthy else 0)
                 self.metrics.endpoint_ejected.labels(ep.pool, ep.id).set(1 if ep.ejected else 0)
         self.scraper.adopt(cluster_snapshot.load_views(snap))
-        self.routing.adopt(cluster_snapshot.class_shares(snap), cluster_snapshot.class_probes(snap))
+        self.routing.adopt(cluster_snapshot.class_shares(snap))
 
     def _own_counts(self) -> Contribution:
         in_flight = {f"{p.name}/{e.id}": e.in_flight for p in self.live.pools.values() for e in p.endpoints}
