@@ -76,14 +76,26 @@ def _per_endpoint(pool: PoolView) -> float:
     return pool.in_flight / pool.routable_endpoints if pool.routable_endpoints else float("inf")
 
 
-def should_spill(route: Route, preferred: PoolView, saturated: PoolView | None) -> bool:
-    """Spill to ``route.saturated``: the preferred pool is over its in-flight limit AND the saturated pool holds
-    fewer requests per endpoint. Without the second condition a burst moves the whole class onto a pool that may
-    be busier still (measured: a class spilling 71% of its requests onto an already saturated standard pool, whose
-    p50 went from 4 s to 19 s, while the speculative pool had room)."""
+def should_spill(
+    route: Route, preferred: PoolView, saturated: PoolView | None, speeds: Mapping[str, float] | None = None
+) -> bool:
+    """Spill to ``route.saturated``: the preferred pool is over its in-flight limit AND the saturated pool is the
+    less loaded one. Without the second condition a burst moves the whole class onto a pool that may be busier
+    still (measured: a class spilling 71% of its requests onto an already saturated standard pool, whose p50 went
+    from 4 s to 19 s, while the speculative pool had room).
+
+    "Less loaded" counts requests per endpoint, each weighted by the class's time per output token on that pool
+    when its controller knows both (``speeds``: pool → seconds, from its last round): a pool where this class
+    decodes three times slower is not less loaded with half the requests (measured: a copy-heavy class spilling a
+    fifth of its requests at 30% load onto a standard pool that decoded it 3x slower, p99 +30%)."""
     if saturated is None or saturated.routable_endpoints == 0 or not is_saturated(route, preferred):
         return False
-    return _per_endpoint(saturated) < _per_endpoint(preferred)
+    here, there = _per_endpoint(preferred), _per_endpoint(saturated)
+    if speeds:
+        slow_here, slow_there = speeds.get(preferred.name), speeds.get(saturated.name)
+        if slow_here and slow_there and slow_here > 0 and slow_there > 0:
+            return (there + 1.0) * slow_there < (here + 1.0) * slow_here
+    return there < here
 
 
 def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[str, str] | None:
@@ -110,6 +122,7 @@ def plan_route(
     forced: bool = False,
     candidates: Mapping[str, str] | None = None,
     probe: bool = False,
+    speeds: Mapping[str, float] | None = None,
 ) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
@@ -122,7 +135,8 @@ def plan_route(
     The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
     applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
     round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
-    preferred pool only).
+    preferred pool only). ``speeds``: the class's time per output token on each pool, from its controller's last
+    round (``should_spill`` weighs the pools' loads by them).
 
     A class with ``route.pin`` never gets a pool of the other kind in its plan (skipped: ``pinned to <kind>``).
 
@@ -149,7 +163,7 @@ def plan_route(
         (candidates is None or order[0] == route.preferred)
         and route.saturated is not None
         and preferred is not None
-        and should_spill(route, preferred, pools.get(route.saturated))
+        and should_spill(route, preferred, pools.get(route.saturated), speeds)
     ):
         order = [route.saturated, route.preferred]
         reason = "saturated"

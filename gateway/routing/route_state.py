@@ -181,8 +181,8 @@ class RoutingState:
         if pick == "standard" and state == "standard" and c.probe > 0 and rng.random() < c.probe:
             if count:
                 self.probes.labels(class_name).inc()
-            return RouteChoice(state, "speculative", share, why="probe", pools=pools)
-        return RouteChoice(state, pick, share, why=_why(ctl, pick), pools=pools)
+            return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
+        return RouteChoice(state, pick, share, why=_why(ctl, pick), pools=pools, speeds=c.speeds)
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
@@ -332,7 +332,7 @@ class RoutingState:
         p95_s: float | None,
     ) -> Observation:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
-            c.estimates = (None, None)
+            c.estimates, c.speeds = (None, None), ()
             return Observation(
                 samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
             )
@@ -350,6 +350,7 @@ class RoutingState:
         )  # fmt: skip
         std_est = estimate(std, "standard", std_tpot, output_tokens=out)
         c.estimates = (spec_est, std_est)
+        c.speeds = tuple((e.pool, e.class_tpot_s) for e in c.estimates if e is not None)
         n = spec.fresh_endpoints
         return Observation(
             samples=samples,

@@ -149,3 +149,14 @@ def test_a_class_without_requests_never_moves() -> None:
         rs.on_scrape_round(float(t), FASTER_THERE)
     snap = rs.snapshot()["chat"]
     assert (snap["share"], snap["holding"]) == (0.0, "min_samples")
+
+
+def test_a_choice_carries_the_class_speeds_of_the_last_round_for_the_saturation_spill() -> None:
+    rs = state(rules())
+    assert rs.choose("chat", random.Random(1)).speeds == ()  # type: ignore[union-attr]  # nothing measured yet
+    rs.on_scrape_round(1.0, VIEWS)
+    choice = rs.choose("chat", random.Random(1))
+    assert choice is not None
+    speeds = dict(choice.speeds)
+    est = rs.snapshot()["chat"]["estimates"]
+    assert speeds == {"spec": est["spec"]["class_tpot_s"], "std": est["std"]["class_tpot_s"]}
