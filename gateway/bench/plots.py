@@ -155,6 +155,7 @@ def render_report(
         f"server), clock x{setup.time_scale:g}, answers ~{setup.output_median:g} tokens (lognormal sigma "
         f"{setup.output_sigma:g}); {setup.duration_s:g} wall seconds of {mix.arrivals} arrivals per point"
         + (f", {setup.repeats} runs per point with their own arrivals (percentiles over all)" * (setup.repeats > 1))
+        + f", more runs at low loads until at least {setup.min_requests} requests per point" * (setup.min_requests > 0)
         + f", seed {setup.seed}, the same requests for every policy"
         + (
             f"; scrape and controller time constants x{setup.controller_time_scale:g}"
@@ -176,6 +177,7 @@ def render_report(
     ]
     for _key, label, get in METRICS:
         parts += [f"## {label}", "", table(points, get, 1 if "ms" in label else 2), ""]
+    parts += ["## requests measured", "", table(points, lambda p: float(p.summary.requests), 0), ""]
     parts += ["## errors", "", table(points, lambda p: float(p.summary.errors), 0), ""]
     parts += ["## share answered by a speculative server", "", table(points, lambda p: p.summary.spec_share, 2), ""]
     parts += harness_cpu(points)

@@ -36,6 +36,7 @@ class Setup:
     seed: int = 7
     repeats: int = 3  # runs per load point with their own arrivals; percentiles over all their requests
     controller_time_scale: float | None = 0.1  # the controllers' time constants x this (None: time_scale)
+    min_requests: int = 200  # measured requests per point at least: low loads get more runs than ``repeats``
     warmup_s: float = 12.0  # wall seconds of arrivals at a load point's rate before its first measured run
     spec_servers: int = 1  # the mixed fleet: speculative servers ...
     std_servers: int = 1  # ... and standard ones; a homogeneous fleet gets as many servers in all

@@ -239,7 +239,8 @@ def run_policy(
                                          time_scale=setup.time_scale))  # fmt: skip
                 meter.start()
                 results: list[Result] = []
-                for r in range(setup.repeats):  # repeat 0 has the seeds of a single run
+                repeats = runs_for(rate, setup)
+                for r in range(repeats):  # repeat 0 has the seeds of a single run
                     times = arrival_times(
                         mix.arrival_kind(rate / setup.time_scale),
                         rate / setup.time_scale,
@@ -256,7 +257,7 @@ def run_policy(
                         write_jsonl(jsonl, run, meta, append=True)
                 cpu = meter.stop()
                 wall = time.monotonic() - start
-                sims = summarise(results, setup.repeats * setup.duration_s / setup.time_scale, spec_pools)
+                sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
                 points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu))
                 s = sims[-1]
                 log(
@@ -267,6 +268,15 @@ def run_policy(
     finally:
         _stop(procs)
     return points
+
+
+def runs_for(rate: float, setup: Setup) -> int:
+    """Runs at a load point of ``rate`` simulated requests/s: ``setup.repeats``, more where that many would send
+    fewer than ``setup.min_requests`` (low loads), so that a p99 is not the slowest of a few dozen requests."""
+    per_run = rate / setup.time_scale * setup.duration_s
+    if per_run <= 0:
+        return setup.repeats
+    return max(setup.repeats, math.ceil(setup.min_requests / per_run))
 
 
 def busiest(cpu: dict[str, float]) -> str:

@@ -508,6 +508,9 @@ def bench_policies_cmd(
         float | None,
         typer.Option(help="Scrape and controller time constants x this instead of --time-scale (shorter windows)."),
     ] = 0.1,
+    min_requests: Annotated[
+        int, typer.Option(help="Measured requests per load point at least (low loads get more runs than --repeats).")
+    ] = 200,
     warmup: Annotated[
         float, typer.Option(help="Wall seconds of unmeasured arrivals at each load before its measured runs.")
     ] = 12.0,
@@ -541,6 +544,7 @@ def bench_policies_cmd(
             seed=seed,
             repeats=repeats,
             warmup_s=warmup,
+            min_requests=min_requests,
         )
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         names = tuple(p.strip() for p in policies.split(",") if p.strip())

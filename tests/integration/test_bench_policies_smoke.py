@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None:
     mix = load_mix("default", ROOT / "bench" / "mixes")
-    setup = Setup(time_scale=0.5, duration_s=1.5, output_median=40.0, repeats=2)
+    setup = Setup(time_scale=0.5, duration_s=1.5, output_median=40.0, repeats=2, warmup_s=1.0, min_requests=0)
     lines: list[str] = []
     points = bench_policies(
         mix, [0.2, 0.8], setup, tmp_path, policies=("nginx", "adaptive"), root=ROOT, log=lines.append
@@ -33,10 +33,20 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == sum(p.summary.requests for p in points)
     assert {r["policy"] for r in rows} == {"nginx", "adaptive"}
-    assert {r["repeat"] for r in rows} == {0, 1}  # two runs per point, pooled
+    assert {r["repeat"] for r in rows} == {0, 1}  # two runs per point, pooled; the warm-up is not in them
     assert "2 runs per point" in report
     nginx = [r for r in rows if r["policy"] == "nginx" and r["status"] == 200]
     assert {r["pool"] for r in nginx} == {"speculative"}  # the NGINX rule sends this whole mix to speculation
     streamed = [r for r in rows if r["stream"] and r["status"] == 200]
     assert streamed
     assert all(r["ttft_s"] is not None and r["completion_tokens"] > 0 for r in streamed)
+
+
+def test_low_loads_get_more_runs_until_the_minimum_request_count() -> None:
+    from gateway.bench.policies import runs_for
+
+    setup = Setup(time_scale=0.5, duration_s=10.0, repeats=3, min_requests=200)
+    assert runs_for(20.0, setup) == 3  # 400 requests a run: the repeats
+    assert runs_for(2.0, setup) == 5  # 40 a run: 5 runs for 200
+    assert runs_for(0.0, setup) == 3
+    assert runs_for(2.0, Setup(time_scale=0.5, duration_s=10.0, repeats=3, min_requests=0)) == 3
