@@ -110,6 +110,13 @@ def rules_for(spec_urls: list[str], std_urls: list[str], **overrides: Any) -> di
     return rules
 
 
+def static_routes(rules: dict[str, Any]) -> dict[str, Any]:
+    """``defaults.controller: null`` on a rules dict: classes without a controller block of their own keep their
+    static route (the explicit opt-out of the built-in balancing controller). Returns the same dict."""
+    rules["defaults"] = {**(rules.get("defaults") or {}), "controller": None}
+    return rules
+
+
 @pytest.fixture
 def fake() -> Iterator[Callable[..., FakeUpstreamServer]]:
     started: list[FakeUpstreamServer] = []

@@ -25,7 +25,7 @@ from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.proxy.app import create_app
 from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, closed_port_url, rules_for
+from tests.conftest import MODEL, closed_port_url, rules_for, static_routes
 
 TOKEN = "admin-secret-token"
 CLIENT_KEY = "client-key-1"
@@ -35,7 +35,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a stor
 
 def make_runtime(tmp_path: Path, rules: dict[str, Any] | None = None, **settings: Any) -> Runtime:
     path = tmp_path / "rules.yaml"
-    path.write_text(yaml.safe_dump(rules or rules_for([closed_port_url()], [closed_port_url()])))
+    # by default no class has a controller (defaults.controller: null): explain shows the static routes
+    path.write_text(yaml.safe_dump(rules or static_routes(rules_for([closed_port_url()], [closed_port_url()]))))
     settings.setdefault("api_keys", CLIENT_KEY)
     rt: Runtime = create_app(Settings(rules=path, max_body_bytes=2048, **settings)).state.runtime
     return rt
@@ -182,7 +183,7 @@ async def test_explain_with_scraped_numbers(
 
 
 async def test_explain_of_a_controlled_class(tmp_path: Path) -> None:
-    rules = rules_for([closed_port_url()], [closed_port_url()])
+    rules = static_routes(rules_for([closed_port_url()], [closed_port_url()]))  # only "precise" has a controller
     rules["classes"][0]["controller"] = {}
     rt = make_runtime(tmp_path, rules)
     async with client_for(create_admin_app(rt, TOKEN)) as c:

@@ -20,7 +20,7 @@ from gateway.runtime.container import Runtime
 from gateway.store.base import StoreUnavailable
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.app.test_admin import assert_envelope
-from tests.conftest import MODEL, closed_port_url, rules_for
+from tests.conftest import MODEL, closed_port_url, rules_for, static_routes
 
 TOKEN = "admin-secret-token"
 CODE = {"model": MODEL, "temperature": 0.2, "messages": [{"role": "user", "content": "Write a python function."}]}
@@ -49,6 +49,8 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     async def make(spec_url: str | None = None, std_url: str | None = None, **rules: Any) -> Rig:
         path = tmp_path / f"rules-{len(made)}.yaml"
         doc = rules_for([spec_url or closed_port_url()], [std_url or closed_port_url()], **rules)
+        if "defaults" not in rules:  # classes without a block have no controller: on-call forces are forced:<kind>
+            static_routes(doc)
         path.write_text(yaml.safe_dump(doc))
         app = create_app(Settings(rules=path, api_keys="k1"))
         rt: Runtime = app.state.runtime

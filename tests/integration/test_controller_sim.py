@@ -24,7 +24,7 @@ from gateway.admin.app import create_admin_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, rules_for, static_routes
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +59,7 @@ def sims() -> Iterator[tuple[SimServer, SimServer]]:
 
 def controlled_rules(spec_url: str, std_url: str) -> dict[str, Any]:
     rules = rules_for([spec_url], [std_url], scrape={"interval_s": 0.25, "timeout_s": 0.25, "window_s": 1.0})
+    static_routes(rules)  # only "precise" has a controller: the audit log and metrics are its alone
     rules["classes"][0]["controller"] = {
         "window_s": 1.0,
         "min_samples": 2,

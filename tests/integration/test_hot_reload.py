@@ -26,7 +26,7 @@ import yaml
 from gateway.admin.app import create_admin_app
 from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, rules_for, static_routes
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_a_valid_change_takes_effect_without_cutting_a_stream_opened_before(
     fake: Callable[..., FakeUpstreamServer], gateway: Callable[..., ServerThread]
 ) -> None:
     spec, std = fake("spec"), fake("std")
-    rules = rules_for([spec.url], [std.url])
+    rules = static_routes(rules_for([spec.url], [std.url]))  # no controller: a route change takes effect at once
     gw = gateway(rules)
     rt: Runtime = gw.app.state.runtime  # type: ignore[attr-defined]
     old = rt.live
@@ -104,7 +104,7 @@ def test_a_valid_change_takes_effect_without_cutting_a_stream_opened_before(
     assert _started(std) == 1
 
     # the change: class "default" now prefers the speculative pool; the std pool's timeouts change (a new client)
-    new = rules_for([spec.url], [std.url])
+    new = static_routes(rules_for([spec.url], [std.url]))
     new["classes"][1]["route"] = {"preferred": "spec", "fallback": ["std"]}
     new["pools"][1]["timeouts"]["total_s"] = 25
     spec_before = _started(spec)

@@ -15,7 +15,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, rules_for, static_routes
 
 Fake = Callable[..., FakeUpstreamServer]
 Gateway = Callable[..., ServerThread]
@@ -23,8 +23,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temper
 
 
 def one_pool_rules(url: str, **pool: Any) -> dict[str, Any]:
-    """Everything to the standard pool, one endpoint, no fallback."""
-    rules = rules_for([url], [url])
+    """Everything to the standard pool, one endpoint, no fallback (no controller: it would add the spec pool)."""
+    rules = static_routes(rules_for([url], [url]))
     rules["pools"][1].update(pool)
     rules["classes"] = [{"name": "default", "route": {"preferred": "std"}}]
     return rules

@@ -201,9 +201,10 @@ def test_policy_rules_are_valid_and_scaled() -> None:
         assert sum(len(p["endpoints"]) for p in out["pools"]) == 2
     out = bench_rules(policy_rules("adaptive", adaptive, ROOT), {"speculative": [1], "standard": [2]}, setup)
     sat = {c["name"]: c["route"].get("saturation") for c in out["classes"]}
-    assert sat["predictable-low-temperature"] == {"max_inflight_per_endpoint": 4}  # 128 / 32
+    assert sat["predictable-low-temperature"] == {"max_inflight_per_endpoint": math.ceil(128 / setup.scale)}
     ctl = next(c for c in out["classes"] if c["name"] == "low-temperature")["controller"]
-    assert ctl["min_hold_s"] == pytest.approx(60 * setup.time_scale)
+    cts = setup.time_scale if setup.controller_time_scale is None else setup.controller_time_scale
+    assert ctl["min_hold_s"] == pytest.approx(60 * cts)
     ngram = yaml.safe_load((ROOT / "routing_rules" / "examples" / "ngram-summarization-rag.yaml").read_text())
     spec = policy_rules("speculative", ngram, ROOT)
     assert spec["pools"][0]["speculative"]["method"] == "ngram"

@@ -98,7 +98,7 @@ def test_a_controller_time_scale_shortens_the_windows_below_one_load_point() -> 
     )
     rules = policy_rules("adaptive", adaptive, ROOT)
     ports = {"speculative": [1], "standard": [2]}
-    plain = bench_rules(rules, ports, Setup())
+    plain = bench_rules(rules, ports, Setup(controller_time_scale=None))  # the clock's scale for both
     fast = bench_rules(rules, ports, Setup(controller_time_scale=0.1))
     assert plain["defaults"]["controller"]["window_s"] == pytest.approx(15.0)  # 30 s x the clock's 0.5
     assert fast["defaults"]["controller"]["window_s"] == pytest.approx(3.0)

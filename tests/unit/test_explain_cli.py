@@ -16,7 +16,7 @@ from gateway.cli.main import app
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
 from gateway.runtime.container import Runtime
-from tests.conftest import MODEL, ServerThread, closed_port_url, rules_for
+from tests.conftest import MODEL, ServerThread, closed_port_url, rules_for, static_routes
 
 TOKEN = "admin-cli-token"
 CODE = {"model": MODEL, "temperature": 0.2, "messages": [{"role": "user", "content": "Write a python function."}]}
@@ -27,7 +27,7 @@ ENV = {"COLUMNS": "200", "NO_COLOR": "1", "SPECGATE_ADMIN_TOKEN": TOKEN}
 def admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("admin-cli")
     path = tmp / "rules.yaml"
-    path.write_text(yaml.safe_dump(rules_for([closed_port_url()], [closed_port_url()])))
+    path.write_text(yaml.safe_dump(static_routes(rules_for([closed_port_url()], [closed_port_url()]))))
     rt: Runtime = create_app(Settings(rules=path, api_keys="client-key")).state.runtime
     server = ServerThread(create_admin_app(rt, TOKEN)).start()
     yield server.url

@@ -25,6 +25,7 @@ def make_rules(**admin: Any) -> RoutingRules:
     ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 1}
     return RoutingRules.model_validate(
         {
+            "defaults": {"controller": None},  # the "default" class has no controller (the explicit opt-out)
             "pools": [
                 {
                     "name": "spec",

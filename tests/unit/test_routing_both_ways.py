@@ -30,8 +30,11 @@ STD = {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url":
 CTL = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 0.5, "acceptance_weight": 0}
 
 
-def rules(*, defaults_ctl: dict[str, Any] | None = None, chat: dict[str, Any] | None = None) -> RoutingRules:
-    defaults: dict[str, Any] = {} if defaults_ctl is None else {"controller": defaults_ctl}
+OMIT: Any = object()  # defaults.controller left out: the built-in balancing controller
+
+
+def rules(*, defaults_ctl: dict[str, Any] | None = OMIT, chat: dict[str, Any] | None = None) -> RoutingRules:
+    defaults: dict[str, Any] = {} if defaults_ctl is OMIT else {"controller": defaults_ctl}
     return RoutingRules.model_validate(
         {
             "defaults": defaults,
@@ -65,8 +68,8 @@ def test_defaults_controller_gives_every_unpinned_class_a_controller_at_its_home
     assert rs.state_of("chat") == "standard"
     snap = rs.snapshot()["chat"]
     assert (snap["home"], snap["speculative_pool"], snap["standard_pool"]) == ("standard", "spec", "std")
-    # without defaults.controller a class without a block keeps its static route
-    assert state(rules())[0].state_of("chat") is None
+    # with defaults.controller: null a class without a block keeps its static route
+    assert state(rules(defaults_ctl=None))[0].state_of("chat") is None
 
 
 def test_a_pinned_class_gets_no_controller_and_its_plans_stay_on_its_pin() -> None:

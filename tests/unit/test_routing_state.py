@@ -20,6 +20,7 @@ def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRule
     ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 1, **(controller or {})}
     return RoutingRules.model_validate(
         {
+            "defaults": {"controller": None},  # only "code" has a controller; "default" keeps its static route
             "pools": [
                 {
                     "name": "spec",
