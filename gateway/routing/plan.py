@@ -155,7 +155,10 @@ def plan_route(
         candidates = controller_candidates(route, pools)
     if candidates is not None and route_state is not None and route_state in candidates:
         first = candidates[route_state]
-        order = [first] + [n for n in candidates.values() if n != first]
+        # the other candidate is the next attempt only where the route names it (a balancing class whose other
+        # pool came from "any pool of the model" takes a share there, but "fallback: []" still means no retry)
+        named = {route.preferred, route.saturated, *route.fallback}
+        order = [first] + [n for n in candidates.values() if n != first and n in named]
         reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
         if probe:
             reason = f"controller:probe:{route_state}"

@@ -476,7 +476,8 @@ class RoutingState:
             ):
                 old.k, old.prior, old.prior_fixed = k, prior, fixed
                 continue
-            share = old.controller.share if old is not None else None
+            # the share carries over a config change, not a change of home (the class starts at its new home)
+            share = old.controller.share if old is not None and old.controller.home == home else None
             controller = Controller(name, cfg, initial=home, share=share, now=now, home=home)
             count = old.requests if old is not None else 0
             self._classes[name] = ClassTrack(

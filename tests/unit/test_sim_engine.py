@@ -160,8 +160,10 @@ async def test_published_shape_on_the_wall_clock() -> None:
 
 
 async def test_low_load_win_with_the_unmodified_preset() -> None:
-    t_std = tpot(await run_all(make(None, time_scale=0.02), 1, 1500, 128))
-    t_spec = tpot(await run_all(make(DRAFT_K4, time_scale=0.02), 1, 1500, 128))
+    # on the virtual clock: at 50x real time a busy machine's late steps would show as TPOT (the wall-clock loop
+    # has its own coarse test above)
+    t_std = tpot(await run_all(make(None, virtual_clock=True), 1, 1500, 128))
+    t_spec = tpot(await run_all(make(DRAFT_K4, virtual_clock=True), 1, 1500, 128))
     assert t_std / t_spec >= 1.3
     assert t_std == pytest.approx(15.3e-3, rel=0.1)  # δ + γ + α·N_kv + ε at batch 1
 

@@ -1,0 +1,58 @@
+"""Plans of balancing classes: the other kind's pool is a share destination, and a retry target only where the
+route names it; a reload that moves a class's home starts it at the new home."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from gateway.config.schema import RoutingRules
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.plan import PoolView, plan_route
+from gateway.routing.route_state import RoutingState
+
+SPEC = {
+    "name": "spec",
+    "kind": "speculative",
+    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
+    "models": ["m"],
+    "endpoints": [{"url": "http://spec:8000"}],
+}
+STD = {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]}
+VIEWS = {
+    "spec": PoolView("spec", "speculative", frozenset({"m"}), 1, 0),
+    "std": PoolView("std", "standard", frozenset({"m"}), 1, 0),
+}
+
+
+def rules(route: dict[str, Any]) -> RoutingRules:
+    return RoutingRules.model_validate({"pools": [SPEC, STD], "classes": [{"name": "chat", "route": route}]})
+
+
+def plan(r: RoutingRules, kind: str) -> tuple[str, ...]:
+    rs = RoutingState(lambda: r, GatewayMetrics().registry, clock=lambda: 0.0)
+    choice = rs.choose("chat", random.Random(1))
+    assert choice is not None  # the built-in balancing controller
+    cls = r.classes[0]
+    return plan_route(cls.route, "m", VIEWS, route_state=kind, candidates=dict(choice.pools)).pools
+
+
+def test_fallback_none_means_no_retry_on_the_other_pool() -> None:
+    r = rules({"preferred": "std", "fallback": []})
+    assert plan(r, "standard") == ("std",)  # home: no second attempt the route did not ask for
+    assert plan(r, "speculative") == ("spec", "std")  # a share sent away still falls back to its home
+
+
+def test_a_named_fallback_stays_the_next_attempt() -> None:
+    r = rules({"preferred": "std", "fallback": ["spec"]})
+    assert plan(r, "standard") == ("std", "spec")
+
+
+def test_a_reload_that_moves_the_home_starts_the_class_at_its_new_home() -> None:
+    current = {"rules": rules({"preferred": "std"})}
+    rs = RoutingState(lambda: current["rules"], GatewayMetrics().registry, clock=lambda: 0.0)
+    assert rs.state_of("chat") == "standard"
+    current["rules"] = rules({"preferred": "spec"})
+    rs.set_forced({})  # syncs the controllers with the rules in force (as every round does), no observation
+    assert rs.state_of("chat") == "speculative"
+    assert rs.snapshot()["chat"]["share"] == 1.0
