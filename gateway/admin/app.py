@@ -31,6 +31,8 @@ Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a f
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import math
@@ -51,10 +53,11 @@ from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dic
 from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.admin.ui import ui_routes
-from gateway.errors import GatewayError, InvalidParameter, Unauthorized
+from gateway.errors import Conflict, GatewayError, InvalidParameter, Unauthorized
 from gateway.proxy.http import exception_handlers, json_response, parse_object, read_request_body
 from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
+from gateway.store.base import StoreUnavailable
 
 MAX_AUDIT_LIMIT = 1000
 
@@ -68,11 +71,16 @@ class AdminAuth:
         token: str | None,
         changes: Sequence[BaseRoute] = (),
         public: Sequence[BaseRoute] = (),
+        refused: Sequence[BaseRoute] = (),
+        refused_because: str = "",
     ) -> None:
         self.app = app
         self._digest = None if token is None else hashlib.sha256(token.encode()).digest()
         self._changes = tuple(changes)
         self._public = tuple(public)  # the console's shell: no data, so no token (``gateway.admin.ui``)
+        # Changes that would reach only the worker answering (``--workers N --per-worker-state``): 409, not applied.
+        self._refused = tuple(refused)
+        self._refused_because = refused_because
 
     def _check(self, authorization: str | None) -> GatewayError | None:
         if self._digest is None:
@@ -104,6 +112,8 @@ class AdminAuth:
                 code="admin_token_not_set",
             )
             response = json_response(body, 403)
+        elif any(r.matches(scope)[0] == Match.FULL for r in self._refused):
+            response = json_response(Conflict(self._refused_because, code="per_worker_state").envelope(), 409)
         if response is not None:
             await response(scope, receive, send)
             return
@@ -113,6 +123,28 @@ class AdminAuth:
 def _runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
+
+
+def per_worker_refusal(rt: Runtime) -> str | None:
+    """Why override changes are refused here: several workers, each with its own overrides (no Redis)."""
+    s = rt.settings
+    if s.workers > 1 and s.redis_url is None:
+        return (
+            f"this gateway runs {s.workers} workers with --per-worker-state (no Redis): each worker has its own "
+            "overrides, so a change made here would reach only the worker that answered; set --redis-url to share "
+            "them, or run one worker"
+        )
+    return None
+
+
+async def fresh_overrides(rt: Runtime) -> None:
+    """Before a read: the overrides as the shared store has them now, so that a change made through another
+    worker or replica a moment ago shows whichever one answers (best effort, bounded; no shared store: nothing)."""
+    if rt.settings.redis_url is None:
+        return
+    with contextlib.suppress(TimeoutError, StoreUnavailable):
+        async with asyncio.timeout(0.5):
+            await rt.overrides.refresh()
 
 
 def state_dict(rt: Runtime) -> dict[str, Any]:
@@ -185,16 +217,19 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
         "started_at": rt.started_at,
         # Who leads the cluster, the age of the snapshot this replica routes on, each other replica's counts' age.
         "cluster": rt.cluster.describe() if rt.cluster is not None else {"enabled": False, "role": "local"},
+        # With --workers N: the worker that answered, and every live worker's config digest.
+        "worker": rt.worker_group.describe(live.digest) if rt.worker_group is not None else None,
     }
 
 
 async def get_state(request: Request) -> Response:
     rt = _runtime(request)
+    await fresh_overrides(rt)
     state = state_dict(rt)
     admin = rt.live.rules.admin
     state["now"] = time.time()  # the console counts TTLs down on the gateway's clock, not the browser's
     state["admin"] = {
-        "changes_allowed": bool(request.app.state.changes_allowed),
+        "changes_allowed": bool(request.app.state.changes_allowed) and per_worker_refusal(rt) is None,
         "default_ttl_s": admin.default_ttl_s,
         "max_ttl_s": admin.max_ttl_s,
     }
@@ -210,6 +245,7 @@ async def post_explain(request: Request) -> Response:
     rt = _runtime(request)
     path = request.query_params.get("path", DEFAULT_PATH)
     body = parse_object(await read_request_body(request, rt.settings.max_body_bytes))
+    await fresh_overrides(rt)
     return json_response(explain(rt, path, body, request.headers))
 
 
@@ -250,6 +286,11 @@ async def post_reload(request: Request) -> Response:
     r = await rt.reload("admin", actor_of(request))
     body = r.as_dict()
     if r.result in ("ok", "unchanged"):
+        group = rt.worker_group
+        if group is not None:  # every worker reloads (a SIGHUP each) before the answer: any of them reads the same
+            signalled = group.signal_reload() if r.result == "ok" else []
+            pending = await group.wait_for(rt.live.digest, signalled)
+            body["workers"] = {"signalled": len(signalled), "pending": pending, **group.describe(rt.live.digest)}
         return json_response(body)
     if r.result == "invalid":
         err = envelope(
@@ -305,9 +346,14 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
         *change_routes(),  # on-call overrides (gateway.admin.changes)
     ]
     public = ui_routes()  # the console's page and files: they carry no data
+    refusal = per_worker_refusal(runtime)
+    refused = [r for r in changes if refusal is not None and getattr(r, "path", "") != "/admin/reload"]
+    auth = Middleware(
+        AdminAuth, token=token, changes=changes, public=public, refused=refused, refused_because=refusal or ""
+    )
     app = Starlette(
         routes=routes + changes + public,
-        middleware=[Middleware(AdminAuth, token=token, changes=changes, public=public)],
+        middleware=[auth],
         exception_handlers=exception_handlers(),
     )
     app.state.runtime = runtime

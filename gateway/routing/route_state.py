@@ -166,6 +166,7 @@ class RoutingState:
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
         self._adopted: dict[str, tuple[RouteState, float]] = {}
+        self._adopted_detail: dict[str, dict[str, Any]] = {}  # the leader's controller snapshots of those classes
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
         # process's own in each round (a cluster's leader decides on the whole cluster's samples).
         self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
@@ -242,10 +243,16 @@ class RoutingState:
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
-    def adopt(self, shares: Mapping[str, tuple[RouteState, float]]) -> None:
+    def adopt(
+        self,
+        shares: Mapping[str, tuple[RouteState, float]],
+        details: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Route on another replica's controllers: class → (state, share), for the classes this process controls
-        too (an on-call force here still wins). An empty mapping returns to this process's own controllers."""
+        too (an on-call force here still wins). ``details``: that replica's controller snapshots, which
+        ``snapshot`` shows for those classes. An empty mapping returns to this process's own controllers."""
         self._adopted = {name: v for name, v in shares.items() if name in self._classes}
+        self._adopted_detail = {n: dict(d) for n, d in (details or {}).items() if n in self._adopted}
         for name, c in self._classes.items():
             state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
             self._set_gauge(name, state, share)
@@ -535,6 +542,10 @@ class RoutingState:
         completion times per pool (with their inputs), for /admin/state and explain."""
         out: dict[str, dict[str, Any]] = {}
         for name, c in self._classes.items():
+            leader = self._adopted_detail.get(name)
+            if leader is not None and name not in self._forced:  # a follower shows what it routes on
+                out[name] = {**leader, "source": "cluster_leader"}
+                continue
             snap = c.controller.snapshot(now).as_dict()
             snap["speculative_pool"], snap["standard_pool"] = c.spec_pool, c.std_pool
             snap["prior_acceptance"] = c.prior

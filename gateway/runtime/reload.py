@@ -318,8 +318,15 @@ class ReloadTarget(Protocol):
 class Reloader:
     """The reload of one runtime: triggers, the serialised attempt, its metrics, log lines and audit record."""
 
-    def __init__(self, runtime: ReloadTarget, *, watch_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        runtime: ReloadTarget,
+        *,
+        watch_interval_s: float = 1.0,
+        on_result: Callable[[ReloadResult], object] | None = None,
+    ) -> None:
         self._rt = runtime
+        self._on_result = on_result  # after every attempt, whatever its trigger (the worker group's digest file)
         self.watch_interval_s = watch_interval_s  # 0: no file watcher
         self.retirer = ClientRetirer()
         self.watcher: ConfigWatcher | None = None
@@ -369,6 +376,8 @@ class Reloader:
             result = await self._attempt(trigger)
             self.last = result
             self._report(result, actor)
+            if self._on_result is not None:
+                self._on_result(result)
         return result
 
     async def _attempt(self, trigger: str) -> ReloadResult:
