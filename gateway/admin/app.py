@@ -288,7 +288,7 @@ async def post_reload(request: Request) -> Response:
     if r.result in ("ok", "unchanged"):
         group = rt.worker_group
         if group is not None:  # every worker reloads (a SIGHUP each) before the answer: any of them reads the same
-            signalled = group.signal_reload() if r.result == "ok" else []
+            signalled = group.signal_reload()  # "unchanged" too: this worker's file watcher may have been first
             pending = await group.wait_for(rt.live.digest, signalled)
             body["workers"] = {"signalled": len(signalled), "pending": pending, **group.describe(rt.live.digest)}
         return json_response(body)
