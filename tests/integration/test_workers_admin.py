@@ -139,9 +139,16 @@ def test_admin_api_answers_the_same_from_every_worker(
 
     # -- SIGHUP to the supervisor reloads every worker in place (no restart: the same workers answer)
     pids = answering_pids([r.json() for r in every_answer(gw, "GET", "/admin/state")])
+
+    def signalled_reloads() -> int:
+        records = fresh("GET", gw.admin + "/admin/audit", params={"limit": 1000}).json()["records"]
+        return sum(1 for a in records if a["action"] == "config_reload" and a["actor"] == "signal")
+
+    before = signalled_reloads()
     gw.rules.write_text(yaml.safe_dump(rules, sort_keys=False) + "# revision 3\n")
     os.kill(gw.proc.pid, signal.SIGHUP)
     assert eventually(lambda: all("# revision 3" in r.json()["yaml"] for r in every_answer(gw, "GET", "/admin/config")))
+    assert eventually(lambda: signalled_reloads() == before + workers)  # each worker got the signal (not a restart)
     assert answering_pids([r.json() for r in every_answer(gw, "GET", "/admin/state")]) <= pids
 
 
