@@ -27,6 +27,13 @@ Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a f
 - no token: the read-only routes (explain only reads) answer anyone who can reach the listener, which is
   loopback-only by default (``gateway.cli.serve`` refuses a non-loopback address without a token); routes that change
   something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token.
+
+Several workers (``--workers N``): every worker serves this app on the one admin socket (``gateway.cli.serve``).
+Reads first re-read the overrides from the shared store (Redis), so a change made through another worker or
+replica shows at once; a follower of the cluster shows the leader's controller state. ``POST /admin/reload``
+reloads every worker before it answers (``gateway.runtime.workers``). Without Redis (``--per-worker-state``) each
+worker has its own overrides: the override changes are refused with 409 ``per_worker_state`` rather than applied to
+one worker, and ``admin.changes_allowed`` in ``/admin/state`` is false.
 """
 
 from __future__ import annotations
