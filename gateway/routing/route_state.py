@@ -34,7 +34,8 @@ Every transition increments ``specgate_controller_transitions_total{class,from,t
 ``specgate_class_route_state{class,state}`` gauge, logs one JSON line on the ``specgate.controller`` logger and
 goes to ``on_transition`` (the audit log). A share step within ``split`` moves ``specgate_class_speculative_share``
 and logs a ``controller_step`` line.
-Not thread-safe: the event loop owns it. With several workers each process runs its own controllers.
+Not thread-safe: the event loop owns it. In cluster mode a follower runs none: it routes on the leader's states and
+shares and shows the leader's controller snapshots (``adopt``); without it each process runs its own controllers.
 """
 
 from __future__ import annotations
