@@ -30,6 +30,7 @@ import socket
 import tempfile
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -174,12 +175,19 @@ def build_listeners(
 
 class Supervisor(Multiprocess):
     """uvicorn's supervisor of ``--workers N``, except that SIGHUP reloads every worker's routing YAML in place
-    (as it does in a one-worker gateway) instead of replacing the workers."""
+    (as it does in a one-worker gateway) instead of replacing the workers. Only workers in the group directory get
+    it: they are the ones whose handler is in place (a worker still starting would be killed by a SIGHUP, and loads
+    the file as it starts anyway)."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], group: Path) -> None:
+        super().__init__(config, sockets)
+        self.group = group
 
     def handle_hup(self) -> None:
-        logger.info("SIGHUP: reloading the routing YAML in every worker")
+        ready = {f.stem for f in self.group.glob("*.json")}
+        logger.info("SIGHUP: reloading the routing YAML in every worker (%d ready)", len(ready))
         for process in self.processes:
-            if process.pid is not None:
+            if process.pid is not None and str(process.pid) in ready:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGHUP)
 
@@ -252,7 +260,7 @@ def _serve_workers(application: GatewayApp, settings: Settings, common: Mapping[
         _announce_admin(settings.admin_host, admin[1].getsockname()[1], admin[2], settings.workers)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            Supervisor(config, sockets=sockets).run()
+            Supervisor(config, sockets, Path(group_dir)).run()
     finally:
         for sock in sockets:
             sock.close()
