@@ -237,6 +237,7 @@ async def get_state(request: Request) -> Response:
     state["now"] = time.time()  # the console counts TTLs down on the gateway's clock, not the browser's
     state["admin"] = {
         "changes_allowed": bool(request.app.state.changes_allowed) and per_worker_refusal(rt) is None,
+        "changes_refused": per_worker_refusal(rt),  # why, when the token is not the reason (else null)
         "default_ttl_s": admin.default_ttl_s,
         "max_ttl_s": admin.max_ttl_s,
     }

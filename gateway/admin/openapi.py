@@ -281,7 +281,12 @@ def _schemas() -> dict[str, Any]:
                     "properties": {
                         "changes_allowed": {
                             "type": "boolean",
-                            "description": "false: the gateway runs without an admin token and refuses every change",
+                            "description": "false: every change is refused (no admin token, or changes_refused)",
+                        },
+                        "changes_refused": {
+                            **nullable_str,
+                            "description": "why changes are refused although a token may be set: several workers "
+                            "with per-worker state (a change would reach one worker); null otherwise",
                         },
                         "default_ttl_s": {"type": "number", "description": "admin.default_ttl_s of the YAML"},
                         "max_ttl_s": {"type": "number", "description": "admin.max_ttl_s of the YAML"},

@@ -160,6 +160,7 @@ def test_per_worker_state_refuses_changes_and_still_reloads_every_worker(
     gw = served(rules, workers=2, args=["--health-interval", "0.2"])
     for s in (r.json() for r in every_answer(gw, "GET", "/admin/state")):
         assert s["admin"]["changes_allowed"] is False
+        assert "--per-worker-state" in s["admin"]["changes_refused"]
         assert s["worker"]["workers"] == 2
     for _ in range(TRIES):
         r = fresh("POST", gw.admin + "/admin/pools/spec/drain", json={"reason": "one worker only"})
