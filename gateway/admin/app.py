@@ -38,8 +38,6 @@ one worker, and ``admin.changes_allowed`` in ``/admin/state`` is false.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import math
@@ -55,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admin.changes import actor_of, change_routes, read_routes
+from gateway.admin.changes import actor_of, change_routes, fresh_overrides, read_routes
 from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dict
 from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
@@ -64,7 +62,6 @@ from gateway.errors import Conflict, GatewayError, InvalidParameter, Unauthorize
 from gateway.proxy.http import exception_handlers, json_response, parse_object, read_request_body
 from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
-from gateway.store.base import StoreUnavailable
 
 MAX_AUDIT_LIMIT = 1000
 
@@ -142,16 +139,6 @@ def per_worker_refusal(rt: Runtime) -> str | None:
             "them, or run one worker"
         )
     return None
-
-
-async def fresh_overrides(rt: Runtime) -> None:
-    """Before a read: the overrides as the shared store has them now, so that a change made through another
-    worker or replica a moment ago shows whichever one answers (best effort, bounded; no shared store: nothing)."""
-    if rt.settings.redis_url is None:
-        return
-    with contextlib.suppress(TimeoutError, StoreUnavailable):
-        async with asyncio.timeout(0.5):
-            await rt.overrides.refresh()
 
 
 def state_dict(rt: Runtime) -> dict[str, Any]:

@@ -93,6 +93,8 @@ def test_admin_api_answers_the_same_from_every_worker(
     for s in (r.json() for r in every_answer(gw, "GET", "/admin/state")):
         assert [o["id"] for o in s["pools"]["spec"]["overrides"]] == [drain["id"]]
         assert s["pools"]["spec"]["endpoints"][0]["routable"] is False
+    for r in every_answer(gw, "GET", "/admin/overrides"):
+        assert [o["id"] for o in r.json()["overrides"]] == [drain["id"]]
     for r in every_answer(gw, "POST", "/admin/explain", json=CODE):
         assert [s["pool"] for s in r.json()["plan"]["steps"]] == ["std"]
 
