@@ -283,13 +283,14 @@ async def test_a_replicas_passive_ejection_reaches_the_others(
     # The follower's own failures eject the standard endpoint (the spec pool still serves the model).
     [std] = follower.live.pools["std"].endpoints
     std.eject(time.monotonic(), base_s=30.0, max_s=60.0)
-    took = await _until(
+    # within a round or two of the shared counts (250 ms); the bound is only there to end a broken run
+    await _until(
         lambda: all(not rt.live.pools["std"].endpoints[0].routable for rt in others), 10, "the others ejecting it"
     )
-    assert took <= 2.0  # a round of the shared counts (250 ms), plus slack for a loaded machine
     for rt in others:
         e = rt.live.pools["std"].endpoints[0]
-        assert 20.0 < e.ejected_until - time.monotonic() <= 30.0  # the time left, not a new ejection
+        assert e.ejected_until <= std.ejected_until + 0.5  # the time left of the follower's, not an ejection anew
+        assert e.ejections == 0  # not counted as an ejection of their own (no doubling next time)
         assert not e.ejected_here  # not passed on again as theirs
     await asyncio.sleep(3 * INTERVAL)  # a few snapshots later the follower still has its own ejection
     assert std.ejected
