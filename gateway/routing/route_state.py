@@ -168,6 +168,7 @@ class RoutingState:
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
         self._adopted: dict[str, tuple[RouteState, float]] = {}
         self._adopted_detail: dict[str, dict[str, Any]] = {}  # the leader's controller snapshots of those classes
+        self._adopted_probe: dict[str, float] = {}  # and their probe shares
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
         # process's own in each round (a cluster's leader decides on the whole cluster's samples).
         self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
@@ -229,14 +230,16 @@ class RoutingState:
             c.requests += 1
         ctl = c.controller
         adopted = self._adopted.get(class_name)
+        probe = c.probe
         if adopted is not None and class_name not in self._forced:
             state, share = adopted
+            probe = self._adopted_probe.get(class_name, 0.0)  # the leader's: a cluster probes at one share
         else:
             state, share = ctl.state, ctl.share
         pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
-        if pick == "standard" and state == "standard" and c.probe > 0 and rng.random() < c.probe:
+        if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
             if count:
                 self.probes.labels(class_name).inc()
             return RouteChoice(state, "speculative", share, why="probe", pools=pools)
@@ -254,6 +257,11 @@ class RoutingState:
         ``snapshot`` shows for those classes. An empty mapping returns to this process's own controllers."""
         self._adopted = {name: v for name, v in shares.items() if name in self._classes}
         self._adopted_detail = {n: dict(d) for n, d in (details or {}).items() if n in self._adopted}
+        self._adopted_probe = {
+            n: min(1.0, max(0.0, float(p)))
+            for n, d in self._adopted_detail.items()
+            if isinstance(p := d.get("probe_share"), int | float) and math.isfinite(p)
+        }
         for name, c in self._classes.items():
             state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
             self._set_gauge(name, state, share)

@@ -182,3 +182,14 @@ def test_admission_and_busy_count_the_other_replicas_requests() -> None:
     ep.remote_in_flight = 0
     assert overload.admits(pool)
     assert not overload.endpoint_busy(ep, spec, 0.0)
+
+
+def test_a_follower_probes_at_the_leaders_probe_share() -> None:
+    r = rules(preferred="spec", saturated="std")
+    follower = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: 0.0)
+    leader_view = {"state": "standard", "share": 0.0, "probe_share": 0.5}
+    follower.adopt({"code": ("standard", 0.0)}, {"code": leader_view})
+    whys = [follower.choose("code", random.Random(i), count=False).why for i in range(100)]  # type: ignore[union-attr]
+    assert 20 < whys.count("probe") < 80
+    follower.adopt({"code": ("standard", 0.0)}, {"code": {**leader_view, "probe_share": 0.0}})
+    assert all(follower.choose("code", random.Random(i), count=False).why != "probe" for i in range(100))  # type: ignore[union-attr]
