@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 import yaml
@@ -221,6 +225,90 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+ADMIN_TOKEN = "served-admin-token"
+
+
+class Served:
+    """One ``python -m gateway serve`` process (``--workers N``), with its admin listener; its output in ``log``."""
+
+    def __init__(self, rules: Path, log: Path, *, workers: int, redis_url: str | None, args: list[str]) -> None:
+        def free() -> int:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port: int = sock.getsockname()[1]
+            return port
+
+        self.rules, self.log, self.workers = rules, log, workers
+        self.port, self.admin_port = free(), free()
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_") and "multiproc_dir" not in k.lower()
+        }
+        env.update(SPECGATE_ADMIN_TOKEN=ADMIN_TOKEN, SPECGATE_LOG_LEVEL="warning", TMPDIR=str(log.parent))
+        cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--admin-port", str(self.admin_port), "--workers", str(workers)]
+        cmd += ["--redis-url", redis_url] if redis_url is not None else (["--per-worker-state"] if workers > 1 else [])
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(cmd + args, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout_s: float = 60) -> Served:
+        """Ready on several fresh connections in a row (so every worker answered), admin API included."""
+        deadline, in_a_row = time.monotonic() + timeout_s, 0  # a loaded CI machine starts workers slowly
+        while in_a_row < 4 * self.workers:
+            assert self.proc.poll() is None, f"gateway exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"gateway not ready:\n{self.output()}"
+            try:
+                ok = httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
+                ok = ok and httpx.get(f"{self.admin}/admin/config", headers=ADMIN_AUTH, timeout=2).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            in_a_row = in_a_row + 1 if ok else 0
+            if not ok:
+                time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+ADMIN_AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Callable[..., Served]]:
+    """Start ``specgate serve`` as a process: ``served(rules, workers=2, redis_url=..., args=[...])``."""
+    started: list[Served] = []
+
+    def start(
+        rules: dict[str, Any], *, workers: int = 1, redis_url: str | None = None, args: Sequence[str] = ()
+    ) -> Served:
+        path = tmp_path / f"rules-{len(started)}.yaml"
+        path.write_text(yaml.safe_dump(rules, sort_keys=False))
+        gw = Served(path, tmp_path / f"serve-{len(started)}.log", workers=workers, redis_url=redis_url, args=list(args))
+        started.append(gw)
+        return gw.wait_ready()
+
+    yield start
+    for gw in started:
+        gw.stop()
 
 
 # Tests skip when an external tool is missing; the end of the run names them and how to install them, since a green

@@ -27,6 +27,13 @@ Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a f
 - no token: the read-only routes (explain only reads) answer anyone who can reach the listener, which is
   loopback-only by default (``gateway.cli.serve`` refuses a non-loopback address without a token); routes that change
   something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token.
+
+Several workers (``--workers N``): every worker serves this app on the one admin socket (``gateway.cli.serve``).
+Reads first re-read the overrides from the shared store (Redis), so a change made through another worker or
+replica shows at once; a follower of the cluster shows the leader's controller state. ``POST /admin/reload``
+reloads every worker before it answers (``gateway.runtime.workers``). Without Redis (``--per-worker-state``) each
+worker has its own overrides: the override changes are refused with 409 ``per_worker_state`` rather than applied to
+one worker, and ``admin.changes_allowed`` in ``/admin/state`` is false.
 """
 
 from __future__ import annotations
@@ -46,12 +53,12 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admin.changes import actor_of, change_routes, read_routes
+from gateway.admin.changes import actor_of, change_routes, fresh_overrides, read_routes
 from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dict
 from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.admin.ui import ui_routes
-from gateway.errors import GatewayError, InvalidParameter, Unauthorized
+from gateway.errors import Conflict, GatewayError, InvalidParameter, Unauthorized
 from gateway.proxy.http import exception_handlers, json_response, parse_object, read_request_body
 from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
@@ -68,11 +75,16 @@ class AdminAuth:
         token: str | None,
         changes: Sequence[BaseRoute] = (),
         public: Sequence[BaseRoute] = (),
+        refused: Sequence[BaseRoute] = (),
+        refused_because: str = "",
     ) -> None:
         self.app = app
         self._digest = None if token is None else hashlib.sha256(token.encode()).digest()
         self._changes = tuple(changes)
         self._public = tuple(public)  # the console's shell: no data, so no token (``gateway.admin.ui``)
+        # Changes that would reach only the worker answering (``--workers N --per-worker-state``): 409, not applied.
+        self._refused = tuple(refused)
+        self._refused_because = refused_because
 
     def _check(self, authorization: str | None) -> GatewayError | None:
         if self._digest is None:
@@ -104,6 +116,8 @@ class AdminAuth:
                 code="admin_token_not_set",
             )
             response = json_response(body, 403)
+        elif any(r.matches(scope)[0] == Match.FULL for r in self._refused):
+            response = json_response(Conflict(self._refused_because, code="per_worker_state").envelope(), 409)
         if response is not None:
             await response(scope, receive, send)
             return
@@ -113,6 +127,18 @@ class AdminAuth:
 def _runtime(request: Request) -> Runtime:
     rt: Runtime = request.app.state.runtime
     return rt
+
+
+def per_worker_refusal(rt: Runtime) -> str | None:
+    """Why override changes are refused here: several workers, each with its own overrides (no Redis)."""
+    s = rt.settings
+    if s.workers > 1 and s.redis_url is None:
+        return (
+            f"this gateway runs {s.workers} workers with --per-worker-state (no Redis): each worker has its own "
+            "overrides, so a change made here would reach only the worker that answered; set --redis-url to share "
+            "them, or run one worker"
+        )
+    return None
 
 
 def state_dict(rt: Runtime) -> dict[str, Any]:
@@ -185,16 +211,20 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
         "started_at": rt.started_at,
         # Who leads the cluster, the age of the snapshot this replica routes on, each other replica's counts' age.
         "cluster": rt.cluster.describe() if rt.cluster is not None else {"enabled": False, "role": "local"},
+        # With --workers N: the worker that answered, and every live worker's config digest.
+        "worker": rt.worker_group.describe(live.digest) if rt.worker_group is not None else None,
     }
 
 
 async def get_state(request: Request) -> Response:
     rt = _runtime(request)
+    await fresh_overrides(rt)
     state = state_dict(rt)
     admin = rt.live.rules.admin
     state["now"] = time.time()  # the console counts TTLs down on the gateway's clock, not the browser's
     state["admin"] = {
-        "changes_allowed": bool(request.app.state.changes_allowed),
+        "changes_allowed": bool(request.app.state.changes_allowed) and per_worker_refusal(rt) is None,
+        "changes_refused": per_worker_refusal(rt),  # why, when the token is not the reason (else null)
         "default_ttl_s": admin.default_ttl_s,
         "max_ttl_s": admin.max_ttl_s,
     }
@@ -210,6 +240,7 @@ async def post_explain(request: Request) -> Response:
     rt = _runtime(request)
     path = request.query_params.get("path", DEFAULT_PATH)
     body = parse_object(await read_request_body(request, rt.settings.max_body_bytes))
+    await fresh_overrides(rt)
     return json_response(explain(rt, path, body, request.headers))
 
 
@@ -250,6 +281,11 @@ async def post_reload(request: Request) -> Response:
     r = await rt.reload("admin", actor_of(request))
     body = r.as_dict()
     if r.result in ("ok", "unchanged"):
+        group = rt.worker_group
+        if group is not None:  # every worker reloads (a SIGHUP each) before the answer: any of them reads the same
+            signalled = group.signal_reload()  # "unchanged" too: this worker's file watcher may have been first
+            pending = await group.wait_for(rt.live.digest, signalled)
+            body["workers"] = {"signalled": len(signalled), "pending": pending, **group.describe(rt.live.digest)}
         return json_response(body)
     if r.result == "invalid":
         err = envelope(
@@ -305,9 +341,14 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
         *change_routes(),  # on-call overrides (gateway.admin.changes)
     ]
     public = ui_routes()  # the console's page and files: they carry no data
+    refusal = per_worker_refusal(runtime)
+    refused = [r for r in changes if refusal is not None and getattr(r, "path", "") != "/admin/reload"]
+    auth = Middleware(
+        AdminAuth, token=token, changes=changes, public=public, refused=refused, refused_because=refusal or ""
+    )
     app = Starlette(
         routes=routes + changes + public,
-        middleware=[Middleware(AdminAuth, token=token, changes=changes, public=public)],
+        middleware=[auth],
         exception_handlers=exception_handlers(),
     )
     app.state.runtime = runtime

@@ -20,6 +20,8 @@ class or override is 404; the store unreachable is 503 (nothing changed). The ac
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from starlette.requests import Request
@@ -31,6 +33,7 @@ from gateway.errors import InvalidParameter, NotFound
 from gateway.overrides.manager import Kind, Override, parse_reason, parse_ttl, parse_weight
 from gateway.proxy.http import json_response, parse_object, read_request_body
 from gateway.runtime.container import Runtime
+from gateway.store.base import StoreUnavailable
 
 MAX_BODY = 16 * 1024
 ROUTES = ("speculative", "standard", "auto")
@@ -162,8 +165,19 @@ async def delete_override(request: Request) -> Response:
     return json_response({"removed": removed[0].as_dict()})
 
 
+async def fresh_overrides(rt: Runtime) -> None:
+    """Before a read: the overrides as the shared store has them now, so that a change made through another
+    worker or replica a moment ago shows whichever one answers (best effort, bounded; no shared store: nothing)."""
+    if rt.settings.redis_url is None:
+        return
+    with contextlib.suppress(TimeoutError, StoreUnavailable):
+        async with asyncio.timeout(0.5):
+            await rt.overrides.refresh()
+
+
 async def get_overrides(request: Request) -> Response:
     rt = _runtime(request)
+    await fresh_overrides(rt)
     return json_response({"overrides": [o.as_dict() for o in rt.overrides.active()]})
 
 

@@ -42,7 +42,8 @@ def _body(schema_name: str, description: str) -> dict[str, Any]:
 def _change(
     summary: str, params: list[dict[str, Any]], body: dict[str, Any] | None, ok: dict[str, Any], *, found: bool = True
 ) -> dict[str, Any]:
-    """A route that changes something: refused with 403 while the gateway has no admin token."""
+    """A route that changes something: refused with 403 while the gateway has no admin token; an override change
+    (``found``: it names a target) with 409 while several workers have their own state."""
     op: dict[str, Any] = {
         "summary": summary,
         "tags": ["changes"],
@@ -52,6 +53,7 @@ def _change(
             "401": _err("Unauthorized"),
             "403": _err("ChangesRefused"),
             **({"404": _err("NotFound")} if found else {}),
+            **({"409": _err("PerWorkerState")} if found else {}),
         },
     }
     if params:
@@ -279,7 +281,12 @@ def _schemas() -> dict[str, Any]:
                     "properties": {
                         "changes_allowed": {
                             "type": "boolean",
-                            "description": "false: the gateway runs without an admin token and refuses every change",
+                            "description": "false: every change is refused (no admin token, or changes_refused)",
+                        },
+                        "changes_refused": {
+                            **nullable_str,
+                            "description": "why changes are refused although a token may be set: several workers "
+                            "with per-worker state (a change would reach one worker); null otherwise",
                         },
                         "default_ttl_s": {"type": "number", "description": "admin.default_ttl_s of the YAML"},
                         "max_ttl_s": {"type": "number", "description": "admin.max_ttl_s of the YAML"},
@@ -299,6 +306,10 @@ def _responses() -> dict[str, Any]:
         "Unauthorized": error("Missing or wrong admin token (WWW-Authenticate: Bearer)."),
         "ChangesRefused": error("The gateway has no admin token: it refuses every change (code admin_token_not_set)."),
         "NotFound": error("Unknown pool, endpoint, class or override."),
+        "PerWorkerState": error(
+            "Several workers without Redis (--per-worker-state): each has its own overrides, so a change would reach "
+            "only the worker that answered; refused (code per_worker_state)."
+        ),
     }
 
 

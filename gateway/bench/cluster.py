@@ -7,6 +7,8 @@ in one event loop; the endpoints are fake vLLM servers, one uvicorn serving E po
 1. steady state: scrapes and health checks per endpoint per second (one leader: ~1/interval each, whatever R);
    snapshot lag (publish → applied on a follower) and each replica's role;
 2. share agreement: a forced change of one class on the leader, and the time until every follower routes on it;
+   a queue appearing on every endpoint, and the time until every follower's busy test (overload's back-pressure)
+   says so; a follower's own ejection of an endpoint, and the time until every other replica has it ejected;
 3. failover: the leader killed without handover, the time until another replica leads and its snapshot reached
    every follower;
 4. Redis down: the time until every replica acts alone, the scrape rate then (R× per endpoint), and the time
@@ -66,6 +68,8 @@ class ClusterRun:
     lag_s: list[float] = field(default_factory=list)
     roles: dict[str, int] = field(default_factory=dict)
     agreement_s: float | None = None
+    queue_s: float | None = None  # a scraped queue reaching every follower's busy test
+    ejection_s: float | None = None  # one follower's passive ejection reaching every other replica
     failover_s: float | None = None
     redis_down_local_s: float | None = None
     scrapes_per_endpoint_s_alone: float | None = None
@@ -200,6 +204,28 @@ async def _run(replicas: int, endpoints: int, interval_s: float, duration_s: flo
             )
 
         run.agreement_s = await _until(agree, 10 * interval_s)
+        # 2b. vLLM's queue on every endpoint, as the leader scrapes it: every follower's busy test sees it
+        fake = counter.app.state.fake  # type: ignore[attr-defined]
+        fake.waiting[MODEL] = 2
+
+        def all_busy() -> bool:
+            return all(r.attempts.busy(p, p.endpoints[0]) for r in followers for p in r.live.pools.values())
+
+        run.queue_s = await _until(all_busy, 10 * interval_s)
+        fake.waiting[MODEL] = 0
+        await _until(
+            lambda: not any(r.attempts.busy(p, p.endpoints[0]) for r in rts for p in r.live.pools.values()),
+            10 * interval_s,
+        )
+        # 2c. a follower's own ejection (its failures) reaching every other replica through the shared counts
+        pool = followers[0].live.pools["spec"]
+        if len(pool.endpoints) > 1:
+            pool.endpoints[-1].eject(time.monotonic(), base_s=30.0, max_s=60.0)
+            key = pool.endpoints[-1].id
+            run.ejection_s = await _until(
+                lambda: all(not next(e for e in r.live.pools["spec"].endpoints if e.id == key).routable for r in rts),
+                10 * interval_s,
+            )
         # 3. failover: the leader dies without a handover
         assert leader.cluster is not None
         for task in [*leader._tasks, *leader.cluster._tasks]:
@@ -270,6 +296,8 @@ def render(run: ClusterRun) -> str:
         f"  snapshot lag publish->applied: p50 {p(0.5) * 1000:.1f} ms, p99 {p(0.99) * 1000:.1f} ms "
         f"({len(lag)} samples)",
         f"  share agreement after a change on the leader: {_fmt(run.agreement_s)}",
+        f"  a scraped queue in every follower's busy test: {_fmt(run.queue_s)}",
+        f"  a follower's passive ejection on every other replica: {_fmt(run.ejection_s)}",
         f"  failover (leader killed, no handover) to every follower on the new leader: {_fmt(run.failover_s)}",
         f"  Redis down -> every replica acting alone: {_fmt(run.redis_down_local_s)}; /metrics per endpoint then "
         f"{_fmt(run.scrapes_per_endpoint_s_alone, '/s')}",

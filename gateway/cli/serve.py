@@ -1,12 +1,20 @@
-"""Serving one gateway process: the client listener and, next to it, the admin listener, in one event loop.
+"""Serving the gateway: the client listener and, next to it, the admin listener.
 
-Both are uvicorn servers sharing the one ``Runtime``: the main app's lifespan starts and stops it, the admin app has
-no lifespan. Only the main server handles SIGINT / SIGTERM; the admin server stops as soon as the main one starts
-shutting down (or ends for any other reason), so Ctrl-C stops both. SIGHUP reloads the routing YAML: the main app's
-lifespan (``Runtime.start``, ``gateway.runtime.reload``) adds its handler to the running loop.
+One worker: both are uvicorn servers in one event loop sharing the one ``Runtime``: the main app's lifespan starts
+and stops it, the admin app has no lifespan. Only the main server handles SIGINT / SIGTERM; the admin server stops as
+soon as the main one starts shutting down (or ends for any other reason), so Ctrl-C stops both. SIGHUP reloads the
+routing YAML: the main app's lifespan (``Runtime.start``, ``gateway.runtime.reload``) adds its handler to the loop.
 
-With several workers each process has its own state (controllers, in-flight counts), so one admin listener could
-only show one worker's view: ``specgate serve --workers N`` does not start it (yet) and says so.
+``--workers N``: uvicorn's supervisor (``Supervisor``) binds the client socket and, here, the admin socket too, and
+hands both to every worker. Each worker runs one uvicorn server on both sockets; its app sends the connections that
+reached the admin port to its own admin app (``GatewayApp.serve_admin_on``), so whichever worker the kernel gives a
+connection answers it. What they answer is the same across workers because the state behind it is shared:
+with Redis every worker is a replica of the cluster (``gateway.cluster``: one leader scrapes and runs the
+controllers, every worker routes on its snapshot and shows it), overrides and the audit log are in Redis, and a
+``POST /admin/reload`` reloads every worker before it answers (``gateway.runtime.workers``). Without Redis
+(``--per-worker-state``) each worker has its own overrides, so the admin API refuses override changes (409
+``per_worker_state``) rather than apply them to one worker; reads answer that worker's view and say so, and a
+reload still reaches every worker. SIGHUP to the supervisor reloads every worker in place, as with one worker.
 """
 
 from __future__ import annotations
@@ -17,20 +25,25 @@ import ipaddress
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
+from uvicorn.supervisors import Multiprocess
 
 from gateway.admin.app import create_admin_app
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
-from gateway.proxy.app import GatewayApp
+from gateway.proxy.app import GatewayApp, create_app_from_env
 from gateway.proxy.limits import head_limits, http_protocol
+from gateway.runtime.workers import GROUP_DIR_ENV
 
 logger = logging.getLogger("specgate")
 
@@ -110,15 +123,13 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-def build_listeners(
-    application: GatewayApp, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
-) -> Listeners:
-    """The servers of a one-worker gateway. ``common``: uvicorn.Config arguments shared by both (host and port are
-    the main listener's). Binds the admin socket now, so that a port in use fails before anything serves.
-    Raises ``AdminSetupError``."""
-    main = uvicorn.Server(uvicorn.Config(application, **common))
+def admin_listener(
+    application: GatewayApp, settings: Settings, environ: Mapping[str, str] | None = None
+) -> tuple[Starlette, socket.socket, str | None] | None:
+    """The admin app over ``application``'s runtime and its bound socket (None with ``--admin-port 0``), checked
+    before anything serves. Raises ``AdminSetupError``."""
     if settings.admin_port == 0:
-        return Listeners(main)
+        return None
     token = admin_token(environ)
     host, port = settings.admin_host, settings.admin_port
     if token is None and not is_loopback(host):
@@ -134,17 +145,64 @@ def build_listeners(
         sock = bind(host, port)
     except OSError as exc:
         raise AdminSetupError(f"cannot listen for the admin API on {host}:{port}: {exc} (--admin-port 0: off)") from exc
-    kw = {k: v for k, v in common.items() if k not in ("host", "port")}
-    kw.update(host=host, port=sock.getsockname()[1], lifespan="off", timeout_graceful_shutdown=1)
-    admin = AdminServer(uvicorn.Config(admin_app, **kw), main)
+    return admin_app, sock, token
+
+
+def _announce_admin(host: str, port: int, token: str | None, workers: int) -> None:
     shown = f"[{host}]" if ":" in host else host
     access = "token required" if token is not None else f"read-only, no {TOKEN_ENV} set"
-    logger.info("admin API on http://%s:%d/admin (%s)", shown, kw["port"], access)
-    return Listeners(main, admin, sock)
+    served = f", served by each of the {workers} workers" if workers > 1 else ""
+    logger.info("admin API on http://%s:%d/admin (%s%s)", shown, port, access, served)
+
+
+def build_listeners(
+    application: GatewayApp, settings: Settings, common: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> Listeners:
+    """The servers of a one-worker gateway. ``common``: uvicorn.Config arguments shared by both (host and port are
+    the main listener's). Binds the admin socket now, so that a port in use fails before anything serves.
+    Raises ``AdminSetupError``."""
+    main = uvicorn.Server(uvicorn.Config(application, **common))
+    admin = admin_listener(application, settings, environ)
+    if admin is None:
+        return Listeners(main)
+    admin_app, sock, token = admin
+    kw = {k: v for k, v in common.items() if k not in ("host", "port")}
+    kw.update(host=settings.admin_host, port=sock.getsockname()[1], lifespan="off", timeout_graceful_shutdown=1)
+    server = AdminServer(uvicorn.Config(admin_app, **kw), main)
+    _announce_admin(settings.admin_host, kw["port"], token, 1)
+    return Listeners(main, server, sock)
+
+
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor of ``--workers N``, except that SIGHUP reloads every worker's routing YAML in place
+    (as it does in a one-worker gateway) instead of replacing the workers. Only workers in the group directory get
+    it: they are the ones whose handler is in place (a worker still starting would be killed by a SIGHUP, and loads
+    the file as it starts anyway)."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], group: Path) -> None:
+        super().__init__(config, sockets)
+        self.group = group
+
+    def handle_hup(self) -> None:
+        ready = {f.stem for f in self.group.glob("*.json")}
+        logger.info("SIGHUP: reloading the routing YAML in every worker (%d ready)", len(ready))
+        for process in self.processes:
+            if process.pid is not None and str(process.pid) in ready:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)
+
+
+def worker_app() -> GatewayApp:
+    """uvicorn's factory in each worker of ``--workers N``: the gateway app (settings from the environment), which
+    also serves the admin app on the admin socket the supervisor bound (``--admin-port``; 0: none)."""
+    app = create_app_from_env()
+    settings = app.runtime.settings
+    if settings.admin_port:
+        app.serve_admin_on(settings.admin_port, create_admin_app(app.runtime, admin_token()))
+    return app
 
 
 def run_server(settings: Settings) -> None:
-    import uvicorn
 
     from gateway.config.loader import RulesError
     from gateway.observability.logs import configure_logging
@@ -179,23 +237,32 @@ def run_server(settings: Settings) -> None:
             raise _fail(str(exc)) from exc
         listeners.run()
     else:
-        if settings.admin_port:
-            logging.getLogger("specgate").warning(
-                "the admin API is not available with several workers yet (each has its own state): not started"
-            )
-        os.environ.update(settings.to_env())
-        # One view of the metrics across workers (gateway/observability/metrics.py): a private directory for
-        # prometheus_client's
-        # multiprocess mode, set before uvicorn spawns the workers (fresh interpreters, which import
-        # prometheus_client with it set; this process imported it before, so it writes nothing there).
-        metrics_dir = tempfile.mkdtemp(prefix="specgate-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        try:
-            uvicorn.run(
-                "gateway.proxy.app:create_app_from_env",
-                factory=True,
-                workers=settings.workers,
-                **common,  # type: ignore[arg-type]
-            )
-        finally:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+        _serve_workers(application, settings, common)
+
+
+def _serve_workers(application: GatewayApp, settings: Settings, common: Mapping[str, Any]) -> None:
+    try:
+        admin = admin_listener(application, settings)  # checked and bound here, served by every worker
+    except AdminSetupError as exc:
+        raise _fail(str(exc)) from exc
+    os.environ.update(settings.to_env())
+    # One view of the metrics across workers (gateway/observability/metrics.py): a private directory for
+    # prometheus_client's multiprocess mode, set before uvicorn spawns the workers (fresh interpreters, which import
+    # prometheus_client with it set; this process imported it before, so it writes nothing there).
+    metrics_dir = tempfile.mkdtemp(prefix="specgate-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    group_dir = tempfile.mkdtemp(prefix="specgate-workers-")  # the workers' config digests (gateway.runtime.workers)
+    os.environ[GROUP_DIR_ENV] = group_dir
+    config = uvicorn.Config("gateway.cli.serve:worker_app", factory=True, workers=settings.workers, **common)
+    sockets = [config.bind_socket()]
+    if admin is not None:
+        sockets.append(admin[1])
+        _announce_admin(settings.admin_host, admin[1].getsockname()[1], admin[2], settings.workers)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            Supervisor(config, sockets, Path(group_dir)).run()
+    finally:
+        for sock in sockets:
+            sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(group_dir, ignore_errors=True)

@@ -12,10 +12,11 @@ Roles:
   says so: ``specgate_cluster_role``, ``specgate_cluster_snapshot_age_seconds``, the ``/ready`` detail, a log line.
 
 Shared counts: every ``contribute_every_s`` each replica writes its own current numbers (in-flight requests per
-endpoint; requests, draft and accepted tokens per class, cumulative) to one field of a hash, and reads every
-replica's. Absolute values, not deltas: a lost write is corrected by the next, nothing drifts, and a replica that
-stops writing drops out when its entry is ``contribution_ttl_s`` old. Each replica's saturation checks add the
-others' in-flight counts; the leader's controllers add the others' class counts.
+endpoint; requests, draft and accepted tokens per class, cumulative; the passive ejections it made itself, as time
+left) to one field of a hash, and reads every replica's. Absolute values, not deltas: a lost write is corrected by
+the next, nothing drifts, and a replica that stops writing drops out when its entry is ``contribution_ttl_s`` old.
+Each replica's saturation, admission and busy checks add the others' in-flight counts, each replica takes the
+others' ejections for their time left, and the leader's controllers add the others' class counts.
 
 Keys share one hash tag (``specgate:{fleet}:…``) so they live on one Redis Cluster slot.
 """
@@ -61,6 +62,7 @@ class Contribution:
     at: float
     in_flight: dict[str, int] = field(default_factory=dict)
     classes: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # requests, drafted, accepted
+    ejected: dict[str, float] = field(default_factory=dict)  # its own passive ejections: seconds left
 
 
 class ClusterNode:
@@ -107,6 +109,7 @@ class ClusterNode:
         self.snapshots_applied = 0
         self.last_lag_s: float | None = None
         self.others: dict[str, Contribution] = {}  # fresh contributions of the other replicas
+        self._counts_read = -1.0  # our clock: the last successful read of the shared counts
         self._role: Role = "local"
         self._tasks: list[asyncio.Task[None]] = []
         self.role_gauge = Gauge(
@@ -205,6 +208,18 @@ class ClusterNode:
         for c in self.others.values():
             for key, n in c.in_flight.items():
                 out[key] = out.get(key, 0) + n
+        return out
+
+    def counts_fresh(self) -> bool:
+        """The shared counts were read within ``contribution_ttl_s``: the others' in-flight counts are known."""
+        return self._counts_read >= 0 and self._clock() - self._counts_read <= self.contribution_ttl_s
+
+    def remote_ejections(self) -> dict[str, float]:
+        """The other replicas' own ejections per ``pool/endpoint``: the longest time left."""
+        out: dict[str, float] = {}
+        for c in self.others.values():
+            for key, left in c.ejected.items():
+                out[key] = max(left, out.get(key, 0.0))
         return out
 
     def remote_class_counts(self) -> dict[str, tuple[float, float, float]]:
@@ -325,7 +340,7 @@ class ClusterNode:
         """Write this replica's counts and read everyone's, in one round trip."""
         own = self._own_counts()
         own.at = time.time()
-        raw = orjson.dumps({"at": own.at, "in_flight": own.in_flight, "classes": own.classes})
+        raw = orjson.dumps({"at": own.at, "in_flight": own.in_flight, "classes": own.classes, "ejected": own.ejected})
         ttl_ms = max(1, round(self.contribution_ttl_s * 5 * 1000))
         try:
             async with self._client.pipeline(transaction=False) as pipe:
@@ -351,6 +366,7 @@ class ClusterNode:
                 continue
             others[name] = c
         self.others = others
+        self._counts_read = self._clock()
         self.replicas.set(len(others) + 1)
         self._on_counts()
         if stale and self.lease.held:  # the leader tidies up after replicas that went away
@@ -381,9 +397,10 @@ def _contribution(raw: bytes | str) -> Contribution | None:
         at = float(d["at"])
         in_flight = {str(k): int(v) for k, v in d.get("in_flight", {}).items() if int(v) > 0}
         classes = {str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in d.get("classes", {}).items()}
+        ejected = {str(k): float(v) for k, v in d.get("ejected", {}).items() if float(v) > 0}
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
-    return Contribution(at, in_flight, classes)
+    return Contribution(at, in_flight, classes, ejected)
 
 
 def connect(redis_url: str) -> tuple[aioredis.Redis, aioredis.Redis]:

@@ -3,7 +3,8 @@
 What it carries: per endpoint (``pool/id``) its health, last error and ejection (as the time left, since monotonic
 clocks differ between hosts); per pool the scraped load view; per controlled class its route state and share.
 ``build`` reads it off the leader's structures; ``apply_endpoints`` / ``load_views`` / ``class_shares`` turn it
-back into what a follower's structures hold. Endpoints, pools and classes a replica does not have (a rollout
+back into what a follower's structures hold (``class_controllers``: the leader's controller snapshots, shown by
+a follower's admin API). Endpoints, pools and classes a replica does not have (a rollout
 with another config) are skipped, and the ones it has that the snapshot lacks keep their own state.
 """
 
@@ -43,6 +44,9 @@ def build(
                 "error": e.last_error,
                 "ejected": e.ejected,
                 "ejected_for_s": max(0.0, e.ejected_until - now) if e.ejected else 0.0,
+                # the scraped queue, for overload's busy test on every replica (time left, as for ejections)
+                "waiting": e.queue_waiting,
+                "queue_fresh_for_s": max(0.0, e.queue_fresh_until - now),
             }
     return {
         "v": VERSION,
@@ -53,7 +57,7 @@ def build(
         "endpoints": endpoints,
         "pools": {name: _view_dict(v) for name, v in views.items()},
         "classes": {
-            name: {"state": c["state"], "share": c["share"]}
+            name: {"state": c["state"], "share": c["share"], "controller": c}
             for name, c in classes.items()
             if c.get("state") in _STATES and isinstance(c.get("share"), int | float)
         },
@@ -69,7 +73,10 @@ def _view_dict(v: PoolLoadView) -> dict[str, Any]:
 
 
 def apply_endpoints(snapshot: Mapping[str, Any], pools: Iterable[PoolState], now: float) -> list[EndpointState]:
-    """Set health and ejection of the endpoints the snapshot knows; returns those whose health changed."""
+    """Set health, ejection and scraped queue of the endpoints the snapshot knows; returns those whose health
+    changed. An ejection this replica has and the snapshot lacks is kept until it ends (the leader ends an ejection
+    only once its time is over, so the two agree within the lag), so a follower's own ejection is not lost to the
+    next snapshot."""
     known = snapshot.get("endpoints")
     if not isinstance(known, dict):
         return []
@@ -86,8 +93,15 @@ def apply_endpoints(snapshot: Mapping[str, Any], pools: Iterable[PoolState], now
             error = s.get("error")
             e.last_error = error if isinstance(error, str) else None
             left = s.get("ejected_for_s")
-            e.ejected = bool(s.get("ejected"))
-            e.ejected_until = now + float(left) if e.ejected and isinstance(left, int | float) else 0.0
+            if bool(s.get("ejected")):
+                until = now + float(left) if isinstance(left, int | float) else now
+                e.ejected_until = max(until, e.ejected_until) if e.ejected else until
+                e.ejected = True
+            elif not (e.ejected and now < e.ejected_until):
+                e.ejected, e.ejected_until, e.ejected_here = False, 0.0, False
+            waiting, fresh = _num(s.get("waiting")), _num(s.get("queue_fresh_for_s"))
+            if waiting is not None and fresh is not None:
+                e.note_queue(waiting, now + fresh)
     return changed
 
 
@@ -143,3 +157,15 @@ def _num(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def class_controllers(snapshot: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each controlled class's controller snapshot as the leader has it (what /admin/state and explain show)."""
+    classes = snapshot.get("classes")
+    if not isinstance(classes, dict):
+        return {}
+    return {
+        str(name): dict(c["controller"])
+        for name, c in classes.items()
+        if isinstance(c, dict) and isinstance(c.get("controller"), dict)
+    }

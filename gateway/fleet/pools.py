@@ -43,6 +43,7 @@ class EndpointState:
     ejected_until: float = 0.0  # monotonic; the ejection may end (on a passing health check) from then on
     ejections: int = 0  # k: ejections in a row, for the growing ejection time
     last_ejected: float | None = None  # monotonic time of the last ejection
+    ejected_here: bool = False  # the ejection came from this process's failures (not another replica's)
     queue_waiting: float = 0.0  # vLLM's waiting requests at the last good scrape (gateway.fleet.scraper)
     queue_fresh_until: float = 0.0  # monotonic; after this the scraped queue is unknown (stale), never read as 0
 
@@ -85,6 +86,7 @@ class EndpointState:
         self.ejections += 1
         duration = min(max_s, base_s * 2.0 ** min(self.ejections - 1, 62))
         self.ejected = True
+        self.ejected_here = True
         self.ejected_until = now + duration
         self.last_ejected = now
         self.consecutive_failures = 0
@@ -100,6 +102,7 @@ class EndpointState:
             return False
         if self.ejected and now >= self.ejected_until:
             self.ejected = False
+            self.ejected_here = False
             return True
         return False
 

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.config.settings import Settings
 from gateway.observability.metrics import CONTENT_TYPE, multiprocess_dir
@@ -91,12 +91,26 @@ class GatewayApp:
         self.runtime = runtime
         self.proxy_routes = {route.path: route for route in proxy_routes}
         self.starlette = starlette
+        # With ``--workers N`` each worker's one uvicorn server listens on the client socket and the admin socket
+        # (both bound by the supervisor): connections to the admin port go to the admin app, decided by the port
+        # the connection reached (the socket's own address, not a header).
+        self.admin_port: int | None = None
+        self.admin: ASGIApp | None = None
+
+    def serve_admin_on(self, port: int, admin: ASGIApp) -> None:
+        """Send the connections that reached local port ``port`` to ``admin`` (and never to the proxy)."""
+        self.admin_port, self.admin = port, admin
 
     @property
     def state(self) -> State:
         return self.starlette.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.admin is not None and scope["type"] != "lifespan":
+            server = scope.get("server")
+            if server is not None and server[1] == self.admin_port:
+                await self.admin(scope, receive, send)
+                return
         if scope["type"] == "http":
             remember_transport(scope, send)  # to cut off a client that stops reading (gateway.proxy.stall)
             route = self.proxy_routes.get(route_path(scope))

@@ -20,8 +20,11 @@ Outlier ejection: ``consecutive_failures`` endpoint failures in a row eject the 
 (``EndpointState.eject``), unless that would leave a model of its pool without any routable endpoint; a health
 check brings it back once the time is over.
 
-All state here is per process (as the in-flight counts are): with ``--workers N`` each worker has its own budget
-and its own view of ejections.
+The retry budget is per process (each replica and each worker has its own): it bounds a ratio, retries to requests
+in progress, which each replica's share of the traffic keeps the same as the cluster's, and it is checked on every
+retry, where a Redis round trip would add latency to the request that can least afford it. Ejections start in the
+process that saw the failures; in a cluster each replica shares its own ejections with the others through the
+shared counts (``gateway.cluster``), which apply them for the time left.
 """
 
 from __future__ import annotations
@@ -269,23 +272,29 @@ class AttemptPolicy:
         self.metrics = metrics
         self.clock = clock
         self.workers = workers
+        # True while a cluster's shared in-flight counts are fresh (``EndpointState.remote_in_flight``): then the
+        # admission and busy bounds are the whole ones, compared with the cluster's totals, not split over workers.
+        self.shared_counts: Callable[[], bool] = lambda: False
         self.budget = RetryBudget(lambda: self._defaults().retry_budget)
+
+    def _split(self) -> int:
+        return 1 if self.shared_counts() else self.workers
 
     # --- back-pressure and admission (gateway.routing.overload)
 
     def classify(self, pool: PoolState, ep: EndpointState, exc: UpstreamError) -> AttemptResult:
         """The label of a failed attempt on ``ep`` (which this attempt still counts in flight)."""
         queueing = isinstance(exc, UpstreamTimeout) and overload.endpoint_busy(
-            ep, pool.spec, self.clock(), workers=self.workers, own=1
+            ep, pool.spec, self.clock(), workers=self._split(), own=1
         )
         return failure_result(exc, queueing=queueing)
 
     def admits(self, pool: PoolState) -> bool:
-        return overload.admits(pool, self.workers)
+        return overload.admits(pool, self._split())
 
     def busy(self, pool: PoolState, ep: EndpointState) -> bool:
         """After a back-pressure failure: ``ep`` is busy too (or its pool admits no more), so not worth trying."""
-        return not self.admits(pool) or overload.endpoint_busy(ep, pool.spec, self.clock(), workers=self.workers)
+        return not self.admits(pool) or overload.endpoint_busy(ep, pool.spec, self.clock(), workers=self._split())
 
     def gave_up(self, failures: list[AttemptFailure], full: list[str]) -> NoCapacity:
         """The answer of a request whose attempts are over: 503 ``overloaded`` when it met only back-pressure (or

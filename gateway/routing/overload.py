@@ -15,7 +15,8 @@ A failed attempt has one of two causes:
   with ``Retry-After`` at once.
 
 Admission control: at most routable endpoints x (``max_num_seqs`` + ``admission.max_waiting_per_endpoint``)
-requests of one gateway process in flight to a pool (with ``--workers N`` each worker takes 1/N of it, rounded up).
+requests of one gateway process in flight to a pool (with ``--workers N`` each worker takes 1/N of it, rounded up;
+in a cluster whose shared counts are fresh, the whole cluster's requests against the whole bound).
 A request beyond it goes to the next planned pool that admits it, or is shed (503 ``overloaded``, ``Retry-After``)
 without waiting for anything.
 """
@@ -60,9 +61,10 @@ def admission_limit(spec: PoolSpec, routable: int, workers: int = 1) -> int | No
 
 
 def admits(pool: PoolState, workers: int = 1) -> bool:
-    """The pool takes one more request of this process (admission control)."""
+    """The pool takes one more request of this process (admission control). In a cluster with fresh shared counts
+    the other replicas' requests count too (``remote_in_flight``, else 0) and ``workers`` is 1: one bound for all."""
     limit = admission_limit(pool.spec, sum(1 for e in pool.endpoints if e.routable), workers)
-    return limit is None or pool.in_flight < limit
+    return limit is None or pool.in_flight + sum(e.remote_in_flight for e in pool.endpoints) < limit
 
 
 def endpoint_busy(ep: EndpointState, spec: PoolSpec, now: float, *, workers: int = 1, own: int = 0) -> bool:
@@ -71,7 +73,7 @@ def endpoint_busy(ep: EndpointState, spec: PoolSpec, now: float, *, workers: int
     workers) or its connection pool (``max_connections``)."""
     if ep.queueing(now):
         return True
-    others = ep.in_flight - own
+    others = ep.in_flight + ep.remote_in_flight - own
     if spec.max_num_seqs is not None and others >= math.ceil(spec.max_num_seqs / max(1, workers)):
         return True
     return others >= spec.max_connections

@@ -38,7 +38,8 @@ Every transition increments ``specgate_controller_transitions_total{class,from,t
 ``specgate_class_route_state{class,state}`` gauge, logs one JSON line on the ``specgate.controller`` logger and
 goes to ``on_transition`` (the audit log). A share step within ``split`` moves ``specgate_class_speculative_share``
 and logs a ``controller_step`` line.
-Not thread-safe: the event loop owns it. With several workers each process runs its own controllers.
+Not thread-safe: the event loop owns it. In cluster mode a follower runs none: it routes on the leader's states and
+shares and shows the leader's controller snapshots (``adopt``); without it each process runs its own controllers.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class RoutingState:
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
         self._adopted: dict[str, tuple[RouteState, float]] = {}
+        self._adopted_detail: dict[str, dict[str, Any]] = {}  # the leader's controller snapshots of those classes
+        self._adopted_probe: dict[str, float] = {}  # and their probe shares
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
         # process's own in each round (a cluster's leader decides on the whole cluster's samples).
         self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
@@ -171,14 +174,16 @@ class RoutingState:
                 c.seen_acceptance = a if seen is None else seen + (a - seen) * SEEN_WEIGHT
         ctl = c.controller
         adopted = self._adopted.get(class_name)
+        probe = c.probe
         if adopted is not None and class_name not in self._forced:
             state, share = adopted
+            probe = self._adopted_probe.get(class_name, 0.0)  # the leader's: a cluster probes at one share
         else:
             state, share = ctl.state, ctl.share
         pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
-        if pick == "standard" and state == "standard" and c.probe > 0 and rng.random() < c.probe:
+        if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
             if count:
                 self.probes.labels(class_name).inc()
             return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
@@ -186,10 +191,21 @@ class RoutingState:
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
-    def adopt(self, shares: Mapping[str, tuple[RouteState, float]]) -> None:
+    def adopt(
+        self,
+        shares: Mapping[str, tuple[RouteState, float]],
+        details: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Route on another replica's controllers: class → (state, share), for the classes this process controls
-        too (an on-call force here still wins). An empty mapping returns to this process's own controllers."""
+        too (an on-call force here still wins). ``details``: that replica's controller snapshots, which
+        ``snapshot`` shows for those classes. An empty mapping returns to this process's own controllers."""
         self._adopted = {name: v for name, v in shares.items() if name in self._classes}
+        self._adopted_detail = {n: dict(d) for n, d in (details or {}).items() if n in self._adopted}
+        self._adopted_probe = {
+            n: min(1.0, max(0.0, float(p)))
+            for n, d in self._adopted_detail.items()
+            if isinstance(p := d.get("probe_share"), int | float) and math.isfinite(p)
+        }
         for name, c in self._classes.items():
             state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
             self._set_gauge(name, state, share)
@@ -493,6 +509,10 @@ class RoutingState:
         completion times per pool (with their inputs), for /admin/state and explain."""
         out: dict[str, dict[str, Any]] = {}
         for name, c in self._classes.items():
+            leader = self._adopted_detail.get(name)
+            if leader is not None and name not in self._forced:  # a follower shows what it routes on
+                out[name] = {**leader, "source": "cluster_leader"}
+                continue
             snap = c.controller.snapshot(now).as_dict()
             snap["speculative_pool"], snap["standard_pool"] = c.spec_pool, c.std_pool
             snap["prior_acceptance"] = c.prior

@@ -31,12 +31,13 @@ from gateway.overrides.manager import Override, OverrideManager
 from gateway.overrides.store import build_override_store
 from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
-from gateway.routing.attempts import AttemptPolicy
+from gateway.routing.attempts import AttemptPolicy, would_strand
 from gateway.routing.controller import Transition
 from gateway.routing.route_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult
+from gateway.runtime.workers import WorkerGroup
 from gateway.store.base import Store, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
 
@@ -127,9 +128,16 @@ class Runtime:
                 registry=self.metrics.registry,
             )
             self.routing.remote_counts = self.cluster.remote_class_counts
+            self.attempts.shared_counts = self.cluster.counts_fresh
         self._tasks: list[asyncio.Task[None]] = []
+        # The sibling workers of ``--workers N`` (None with one): their config digests (gateway.runtime.workers).
+        self.worker_group = WorkerGroup.from_env(settings.workers)
         # Hot reload of the routing YAML: SIGHUP, POST /admin/reload, the file watcher (gateway.runtime.reload).
-        self.reloader = Reloader(self)
+        self.reloader = Reloader(self, on_result=self._reloaded)
+
+    def _reloaded(self, result: ReloadResult) -> None:
+        if self.worker_group is not None:
+            self.worker_group.publish(self.live.digest)
 
     def _export_admission(self) -> None:
         """The admission bounds in force (gauge), every scrape interval, on every replica (leader or not)."""
@@ -199,17 +207,39 @@ class Runtime:
                 self.metrics.endpoint_up.labels(ep.pool, ep.id).set(1 if ep.healthy else 0)
                 self.metrics.endpoint_ejected.labels(ep.pool, ep.id).set(1 if ep.ejected else 0)
         self.scraper.adopt(cluster_snapshot.load_views(snap))
-        self.routing.adopt(cluster_snapshot.class_shares(snap))
+        self.routing.adopt(cluster_snapshot.class_shares(snap), cluster_snapshot.class_controllers(snap))
 
     def _own_counts(self) -> Contribution:
-        in_flight = {f"{p.name}/{e.id}": e.in_flight for p in self.live.pools.values() for e in p.endpoints}
-        return Contribution(0.0, {k: n for k, n in in_flight.items() if n > 0}, self.routing.local_counts())
-
-    def _apply_counts(self) -> None:
-        remote = self.cluster.remote_in_flight() if self.cluster is not None else {}
+        now = time.monotonic()
+        in_flight: dict[str, int] = {}
+        ejected: dict[str, float] = {}
         for p in self.live.pools.values():
             for e in p.endpoints:
-                e.remote_in_flight = remote.get(f"{p.name}/{e.id}", 0)
+                if e.in_flight > 0:
+                    in_flight[f"{p.name}/{e.id}"] = e.in_flight
+                if e.ejected and e.ejected_here and e.ejected_until > now:
+                    ejected[f"{p.name}/{e.id}"] = round(e.ejected_until - now, 3)
+        return Contribution(0.0, in_flight, self.routing.local_counts(), ejected)
+
+    def _apply_counts(self) -> None:
+        """After each read of the shared counts: the others' in-flight requests per endpoint, and their own
+        ejections, taken here for the time left (unless that would leave a model without an endpoint)."""
+        node = self.cluster
+        remote = node.remote_in_flight() if node is not None else {}
+        ejections = node.remote_ejections() if node is not None else {}
+        now = time.monotonic()
+        pools = list(self.live.pools.values())
+        max_s = self.live.rules.defaults.outlier_detection.max_ejection_s
+        for p in pools:
+            for e in p.endpoints:
+                key = f"{p.name}/{e.id}"
+                e.remote_in_flight = remote.get(key, 0)
+                left = ejections.get(key)
+                if left is None or e.ejected or would_strand(e, pools):
+                    continue
+                e.ejected, e.ejected_here, e.ejected_until = True, False, now + min(left, max_s)
+                self.metrics.endpoint_ejected.labels(e.pool, e.id).set(1)
+                logger.warning("endpoint %s is ejected for %.1fs (another replica's failures)", key, min(left, max_s))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Runtime:
@@ -304,8 +334,12 @@ class Runtime:
             logger.warning("overrides not loaded at start-up (%s); retrying in the background", exc)
         self._tasks.append(asyncio.create_task(self.overrides.run(), name="specgate-overrides"))
         self.reloader.start()
+        if self.worker_group is not None:
+            self.worker_group.publish(self.live.digest)
 
     async def stop(self) -> None:
+        if self.worker_group is not None:
+            self.worker_group.withdraw()
         if self.cluster is not None:
             await self.cluster.stop()  # first: the lease is handed over while this replica still drains
         await cancel_and_wait(self._tasks)

@@ -2,11 +2,11 @@
 
 Triggers (all end in ``Runtime.reload(trigger)``, which serialises them with one lock):
 
-- ``sighup``: ``kill -HUP <pid>`` of a one-worker ``specgate serve`` (the handler is added to the running loop by
-  ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). With ``--workers N`` a SIGHUP to uvicorn's
-  supervisor makes it restart the workers (uvicorn's own behaviour: each new worker loads the file at start); send
-  it to the worker pids instead for an in-place reload, or rely on the watcher, which runs in every worker.
-- ``admin``: ``POST /admin/reload``.
+- ``sighup``: ``kill -HUP <pid>`` of ``specgate serve`` (the handler is added to the running loop by
+  ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). With ``--workers N`` the supervisor passes the
+  signal on to every worker (``gateway.cli.serve.Supervisor``), each reloading in place.
+- ``admin``: ``POST /admin/reload`` (with ``--workers N``: this worker, then a SIGHUP to each sibling, answered once
+  they all have the new config in force; ``gateway.runtime.workers``).
 - ``watch``: ``ConfigWatcher`` polls the file every second. It compares the resolved path (``os.path.realpath``),
   device, inode, mtime and size, so that an in-place edit, an atomic rename and a Kubernetes ConfigMap update
   (``rules.yaml -> ..data/rules.yaml``, ``..data`` an atomically swapped symlink to a new timestamped directory) are
@@ -318,8 +318,15 @@ class ReloadTarget(Protocol):
 class Reloader:
     """The reload of one runtime: triggers, the serialised attempt, its metrics, log lines and audit record."""
 
-    def __init__(self, runtime: ReloadTarget, *, watch_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        runtime: ReloadTarget,
+        *,
+        watch_interval_s: float = 1.0,
+        on_result: Callable[[ReloadResult], object] | None = None,
+    ) -> None:
         self._rt = runtime
+        self._on_result = on_result  # after every attempt, whatever its trigger (the worker group's digest file)
         self.watch_interval_s = watch_interval_s  # 0: no file watcher
         self.retirer = ClientRetirer()
         self.watcher: ConfigWatcher | None = None
@@ -369,6 +376,8 @@ class Reloader:
             result = await self._attempt(trigger)
             self.last = result
             self._report(result, actor)
+            if self._on_result is not None:
+                self._on_result(result)
         return result
 
     async def _attempt(self, trigger: str) -> ReloadResult:

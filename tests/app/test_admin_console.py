@@ -180,7 +180,12 @@ async def test_state_tells_the_console_what_it_may_do(tmp_path: Path) -> None:
     for token, allowed in ((TOKEN, True), (None, False)):
         async with client_for(create_admin_app(rt, token), token) as c:
             state: dict[str, Any] = (await c.get("/admin/state")).json()
-        assert state["admin"] == {"changes_allowed": allowed, "default_ttl_s": 1800, "max_ttl_s": 86400}
+        assert state["admin"] == {
+            "changes_allowed": allowed,
+            "changes_refused": None,
+            "default_ttl_s": 1800,
+            "max_ttl_s": 86400,
+        }
         assert abs(state["now"] - time.time()) < 5
         ep = state["pools"]["spec"]["endpoints"][0]
         assert (ep["ejected"], ep["ejected_for_s"]) == (False, None)

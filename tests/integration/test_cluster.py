@@ -246,3 +246,52 @@ async def test_without_redis_each_replica_acts_alone_and_rejoins(
     redis_server.start()
     await _until(lambda: len(_leaders(rts)) == 1, 10, "a leader again")
     await _until(lambda: sum(rt.cluster.role == "follower" for rt in rts if rt.cluster) == 1, 10, "a follower again")
+
+
+async def test_followers_see_the_leaders_scraped_queue_in_the_busy_test(
+    redis_server: RedisServer, endpoints: list[tuple[Counting, ServerThread]], replicas: Start, tmp_path: Path
+) -> None:
+    rules = _rules(tmp_path / "rules.yaml", endpoints)
+    rts = [await replicas(rules, redis_server.url) for _ in range(2)]
+    await _until(lambda: all(rt.cluster and rt.cluster.role != "local" for rt in rts), 10, "leader + follower")
+    follower = next(rt for rt in rts if rt.cluster is not None and rt.cluster.role == "follower")
+    fake = endpoints[0][0].app.state.fake  # type: ignore[attr-defined]
+    pool = follower.live.pools["spec"]
+    [ep] = pool.endpoints
+
+    def busy() -> bool:
+        return follower.attempts.busy(pool, ep)
+
+    assert not busy()
+    model = next(iter(fake.waiting))
+    fake.waiting[model] = 3  # vLLM's queue on the speculative endpoint, as the leader's next scrape sees it
+    await _until(busy, 5 * INTERVAL, "the follower seeing the leader's scraped queue")
+    assert ep.queue_waiting == 3
+    fake.waiting[model] = 0
+    await _until(lambda: not busy(), 5 * INTERVAL, "the queue emptying on the follower too")
+
+
+async def test_a_replicas_passive_ejection_reaches_the_others(
+    redis_server: RedisServer, endpoints: list[tuple[Counting, ServerThread]], replicas: Start, tmp_path: Path
+) -> None:
+    rules = _rules(tmp_path / "rules.yaml", endpoints)
+    rts = [await replicas(rules, redis_server.url) for _ in range(3)]
+    await _until(lambda: all(rt.cluster and rt.cluster.role != "local" for rt in rts), 10, "leader + followers")
+    await _until(lambda: all(rt.cluster and len(rt.cluster.others) == 2 for rt in rts), 10, "shared counts")
+    follower = next(rt for rt in rts if rt.cluster is not None and rt.cluster.role == "follower")
+    others = [rt for rt in rts if rt is not follower]
+    # The follower's own failures eject the standard endpoint (the spec pool still serves the model).
+    [std] = follower.live.pools["std"].endpoints
+    std.eject(time.monotonic(), base_s=30.0, max_s=60.0)
+    # within a round or two of the shared counts (250 ms); the bound is only there to end a broken run
+    await _until(
+        lambda: all(not rt.live.pools["std"].endpoints[0].routable for rt in others), 10, "the others ejecting it"
+    )
+    for rt in others:
+        e = rt.live.pools["std"].endpoints[0]
+        assert e.ejected_until <= std.ejected_until + 0.5  # the time left of the follower's, not an ejection anew
+        assert e.ejections == 0  # not counted as an ejection of their own (no doubling next time)
+        assert not e.ejected_here  # not passed on again as theirs
+    await asyncio.sleep(3 * INTERVAL)  # a few snapshots later the follower still has its own ejection
+    assert std.ejected
+    assert not std.routable

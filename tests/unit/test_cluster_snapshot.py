@@ -13,6 +13,7 @@ from gateway.cluster import snapshot
 from gateway.config.schema import Pool as PoolSpec
 from gateway.fleet.pools import PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.routing import overload
 from gateway.routing.route_state import RoutingState
 from tests.unit.test_routing_state import rules
 
@@ -112,3 +113,83 @@ def test_the_other_replicas_requests_count_as_samples() -> None:
     now[0] = 2.0
     rs.on_scrape_round(2.0, {})
     assert rs.snapshot(2.0)[name]["last_observation"]["samples"] == 0
+
+
+def test_the_scraped_queue_and_ejections_reach_a_follower() -> None:
+    leader = [_pool("spec", "speculative", ["a", "b"])]
+    a, b = leader[0].endpoints
+    a.note_queue(3.0, fresh_until=102.0)  # scraped at the leader's 100 - stale_after + ..., fresh for 2 s more
+    b.eject(100.0, base_s=5.0, max_s=60.0)
+    snap = orjson.loads(
+        orjson.dumps(
+            snapshot.build(leader="r1", seq=1, at=1.0, now=100.0, config="abc", pools=leader, views={}, classes={})
+        )
+    )
+    follower = [_pool("spec", "speculative", ["a", "b"])]
+    fa, fb = follower[0].endpoints
+    fb.eject(49.0, base_s=30.0, max_s=60.0)  # its own, longer than the leader's
+    snapshot.apply_endpoints(snap, follower, now=50.0)
+    assert fa.queueing(51.9)
+    assert not fa.queueing(52.1)  # the time left on the leader's clock, on the follower's
+    assert overload.endpoint_busy(fa, follower[0].spec, 51.0)
+    assert (fb.ejected, fb.ejected_until, fb.ejected_here) == (True, 79.0, True)  # its own ejection kept
+    again = snapshot.build(leader="r1", seq=2, at=2.0, now=110.0, config="abc", pools=leader, views={}, classes={})
+    b.ejected = False  # the leader ended its ejection; the follower's own runs on until its end
+    again["endpoints"]["spec/b"]["ejected"] = False
+    snapshot.apply_endpoints(again, follower, now=60.0)
+    assert fb.ejected
+    snapshot.apply_endpoints(again, follower, now=80.0)
+    assert (fb.ejected, fb.ejected_here) == (False, False)
+
+
+def test_a_follower_shows_the_leaders_controller() -> None:
+    r = rules(preferred="spec", saturated="std")
+    leader = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: 0.0)
+    leader._classes["code"].controller.force("standard", 0.0, ttl_s=60)
+    snap = orjson.loads(
+        orjson.dumps(
+            snapshot.build(
+                leader="r1", seq=1, at=1.0, now=0.0, config="abc", pools=[], views={}, classes=leader.snapshot(0.0)
+            )
+        )
+    )
+    follower = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: 0.0)
+    follower.adopt(snapshot.class_shares(snap), snapshot.class_controllers(snap))
+    shown = follower.snapshot()["code"]
+    assert shown["source"] == "cluster_leader"
+    assert (shown["state"], shown["last_reason"]) == ("standard", leader.snapshot()["code"]["last_reason"])
+    follower.adopt({})
+    assert "source" not in follower.snapshot()["code"]
+
+
+def test_admission_and_busy_count_the_other_replicas_requests() -> None:
+    spec = PoolSpec.model_validate(
+        {
+            "name": "p",
+            "kind": "standard",
+            "models": ["m"],
+            "max_num_seqs": 4,
+            "endpoints": [{"url": "http://a:8000", "id": "a"}],
+        }
+    )
+    pool = PoolState.from_spec(spec)
+    [ep] = pool.endpoints
+    limit = overload.admission_limit(spec, 1)
+    assert limit is not None
+    ep.remote_in_flight = limit
+    assert not overload.admits(pool)
+    assert overload.endpoint_busy(ep, spec, 0.0)
+    ep.remote_in_flight = 0
+    assert overload.admits(pool)
+    assert not overload.endpoint_busy(ep, spec, 0.0)
+
+
+def test_a_follower_probes_at_the_leaders_probe_share() -> None:
+    r = rules(preferred="spec", saturated="std")
+    follower = RoutingState(lambda: r, CollectorRegistry(), clock=lambda: 0.0)
+    leader_view = {"state": "standard", "share": 0.0, "probe_share": 0.5}
+    follower.adopt({"code": ("standard", 0.0)}, {"code": leader_view})
+    whys = [follower.choose("code", random.Random(i), count=False).why for i in range(100)]  # type: ignore[union-attr]
+    assert 20 < whys.count("probe") < 80
+    follower.adopt({"code": ("standard", 0.0)}, {"code": {**leader_view, "probe_share": 0.0}})
+    assert all(follower.choose("code", random.Random(i), count=False).why != "probe" for i in range(100))  # type: ignore[union-attr]

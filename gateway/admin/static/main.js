@@ -96,6 +96,10 @@ function render() {
   if (ctx.canChange) {
     mode.textContent = actor() ? `signed in as ${actor()}` : "signed in";
     mode.className = "chip ok";
+  } else if (s.admin.changes_refused) {
+    mode.textContent = "read-only: per-worker state";
+    mode.className = "chip warn";
+    mode.title = s.admin.changes_refused;
   } else {
     mode.textContent = "read-only: no admin token on this gateway";
     mode.className = "chip warn";
