@@ -56,6 +56,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.class_track import ClassTrack, Why, windowed
@@ -202,7 +203,7 @@ class RoutingState:
         self._adopted = {name: v for name, v in shares.items() if name in self._classes}
         self._adopted_detail = {n: dict(d) for n, d in (details or {}).items() if n in self._adopted}
         self._adopted_probe = {
-            n: min(1.0, max(0.0, float(p)))
+            n: min(PROBE_CAP, max(0.0, float(p)))  # a corrupt or hostile snapshot never probes more than a YAML may
             for n, d in self._adopted_detail.items()
             if isinstance(p := d.get("probe_share"), int | float) and math.isfinite(p)
         }
