@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway.bench.mix import Mix, Target
-from gateway.bench.points import LABELS, POLICY_FILES, Point, Setup
+from gateway.bench.points import FIRST_WARMUP, LABELS, POLICY_FILES, Point, Setup
 
 METRICS: tuple[tuple[str, str, Callable[[Point], float]], ...] = (
     ("e2e_p50", "p50 E2E (s)", lambda p: p.summary.e2e[0]),
@@ -163,7 +163,8 @@ def render_report(
             else ""
         ),
         f"- each load point starts with {setup.warmup_s:g} wall seconds of unmeasured arrivals at its rate (the "
-        "controllers adapt to the new load and the queues fill before anything is measured)"
+        "controllers adapt to the new load and the queues fill before anything is measured), the first point "
+        f"{setup.warmup_s * FIRST_WARMUP:g} s (the controllers start there from the YAML's homes)"
         if setup.warmup_s > 0
         else "- no warm-up: each load point is measured from its first request",
         f"- capacity (100% load): {capacity_how}",

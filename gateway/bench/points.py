@@ -21,6 +21,7 @@ POLICY_FILES = {
     "nginx": "bench/policies/nginx-seed.yaml",
 }
 DEFAULT_LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
+FIRST_WARMUP = 3  # a sweep's first load point warms up this many times as long (the controllers start from home)
 
 
 @dataclass(frozen=True, slots=True)

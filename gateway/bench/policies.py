@@ -48,7 +48,7 @@ from gateway.bench.cpu import CpuMeter
 from gateway.bench.load import Result, arrival_times, run_load, summarise, write_jsonl
 from gateway.bench.mix import Mix, plan_request
 from gateway.bench.plots import write_report
-from gateway.bench.points import LABELS, POLICIES, POLICY_FILES, Point, Setup
+from gateway.bench.points import FIRST_WARMUP, LABELS, POLICIES, POLICY_FILES, Point, Setup
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET, free_port, spec_config_json, wait_for_port
 from gateway.sim.physics import step_time
@@ -232,7 +232,8 @@ def run_policy(
                     warm = arrival_times(
                         mix.arrival_kind(rate / setup.time_scale),
                         rate / setup.time_scale,
-                        setup.warmup_s,
+                        # the first point starts from the YAML's homes, not from a neighbouring load's shares
+                        setup.warmup_s * (FIRST_WARMUP if i == 0 else 1),
                         random.Random(setup.seed + i + 500),
                     )
                     asyncio.run(run_load(url, mix, warm, model=model, seed=setup.seed + 600 + i,
@@ -289,7 +290,8 @@ def busiest(cpu: dict[str, float]) -> str:
 
 def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:
     """A rough wall-clock estimate: start-up per policy, arrivals plus the drain per load."""
-    return n_policies * (8.0 + n_loads * (setup.warmup_s + 4.0 + setup.repeats * (setup.duration_s + 4.0)))
+    warmups = (n_loads + FIRST_WARMUP - 1) * setup.warmup_s
+    return n_policies * (8.0 + warmups + n_loads * (4.0 + setup.repeats * (setup.duration_s + 4.0)))
 
 
 def bench_policies(
