@@ -7,23 +7,34 @@ as a hung client does. Faults are injected on a schedule, as fractions of the du
 cut streams, hangs, 503s, a restart of the server process, and a restart of Redis when there is one.
 
 Every second it samples the gateway's RSS and open file descriptors (``/proc``), the in-flight gauges, the
-ejections and the gateway's request count. Every request ends with exactly one client-side outcome (``ok``,
-``stream_error``, ``shed``, ``stalled_cut``, ``stalled_ok``, ``status_N``, ``client_exception``, ``broken``).
+ejections and the gateway's request count. Every request carries its own ``X-Request-Id`` and ends with exactly one
+client-side outcome (``ok``, ``stream_error``, ``shed``, ``stalled_cut``, ``stalled_ok``, ``status_N``,
+``client_exception``, ``broken``); the gateway's access log (its stderr, kept in a file) gives its side: one line
+per request it finished, and a warning per ejection with the failures that caused it.
 
-Checks (``Report.problems``; none = pass): the gateway counted every request exactly once (its
-``specgate_requests_total`` grew by the number of requests sent), no stream ended without ``[DONE]`` (``broken``),
-the in-flight gauges are back to 0 at the end, RSS grew less than ``max_rss_growth`` from the end of the warm-up
-(the first ``warmup_share`` of the run) to the end, open file descriptors are back within a few of the start once
-idle connections have closed, and no endpoint was ejected outside the fault windows (an
-endpoint that was only busy is never ejected).
+Checks (``Report.problems``; none = pass):
+
+- every request exactly one terminal outcome: no request id in the access log twice or unknown to the clients;
+  every request the clients got an HTTP answer for is in the log; a request that failed on the client's side
+  (``client_exception``: refused or reset, possibly before the gateway read it) may or may not be; the gateway's
+  ``specgate_requests_total`` grew by exactly the number of lines in its access log;
+- no stream ended without ``[DONE]`` or an error event (``broken``);
+- the in-flight gauges are back to 0 at the end;
+- RSS grew less than ``max_rss_growth`` from the end of the warm-up (the first ``warmup_share`` of the run) to the
+  end; open file descriptors are back within a few of the start once idle connections have closed;
+- no endpoint was ejected outside the fault windows (an endpoint that was only busy is never ejected); a window
+  lasts until the fault's effects can have passed: ``effect_s`` after its end (a hung request's first token, a
+  restarted server's first health check).
 """
 
 from __future__ import annotations
 
 import asyncio
+import calendar
 import contextlib
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -51,6 +62,7 @@ PROMPTS = (
 
 
 FD_SLACK = 10  # descriptors the gateway may hold open after the run beyond those at the start (logs, the loop's own)
+EJECTED = re.compile(r"endpoint (\S+) ejected for")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,7 @@ class SoakConfig:
     max_rss_growth: float = 0.10
     sample_s: float = 1.0
     settle_s: float = 6.0  # after the run, before the last sample: idle keep-alive connections close
+    effect_s: float = 5.0  # a fault's effects may be seen this long after its window ends
     seed: int = 11
 
 
@@ -101,6 +114,13 @@ class Sample:
 
 
 @dataclass(slots=True)
+class Ejection:
+    at: float  # seconds since the start (when the sampler saw it)
+    endpoint: str = ""  # pool/endpoint, from the gateway's log
+    why: str = ""  # the log line's account of the failures
+
+
+@dataclass(slots=True)
 class Report:
     config: SoakConfig
     samples: list[Sample] = field(default_factory=list)
@@ -110,6 +130,11 @@ class Report:
     final_in_flight: float = float("nan")
     windows: list[tuple[float, float, str]] = field(default_factory=list)  # seconds, fault
     ejected_at: list[float] = field(default_factory=list)
+    ejections: list[Ejection] = field(default_factory=list)
+    answered: set[str] = field(default_factory=set)  # request ids the clients got an HTTP answer for
+    failed: set[str] = field(default_factory=set)  # request ids that failed on the client's side
+    logged: Counter[str] = field(default_factory=Counter)  # request id -> access-log lines
+    log_read: bool = False  # the access log was read (else the per-request checks are not made)
     problems: list[str] = field(default_factory=list)
 
     def rss_at(self, t: float) -> int:
@@ -118,8 +143,7 @@ class Report:
 
     def check(self) -> None:
         c = self.config
-        if abs(self.counted - self.sent) > 0.5:
-            self.problems.append(f"the gateway counted {self.counted:g} requests, the clients sent {self.sent}")
+        self._check_terminal()
         if self.outcomes.get("broken"):
             self.problems.append(f"{self.outcomes['broken']} stream(s) ended without [DONE] or an error event")
         if self.final_in_flight != 0:
@@ -131,15 +155,41 @@ class Report:
         if len(self.samples) > 1 and self.samples[-1].fds > self.samples[0].fds + FD_SLACK:
             self.problems.append(f"open fds: {self.samples[0].fds} at the start, {self.samples[-1].fds} at the end")
         for at in self.ejected_at:
-            if not any(start - 1.0 <= at <= end + 5.0 for start, end, _ in self.windows):
+            if not any(start - 1.0 <= at <= end + c.effect_s for start, end, _ in self.windows):
                 self.problems.append(f"an endpoint was ejected at {at:.1f}s, outside every fault window")
+
+    def _check_terminal(self) -> None:
+        """Every request exactly one terminal outcome, by request id (client side vs the gateway's access log)."""
+        if not self.log_read:
+            self.problems.append("the gateway's access log could not be read: the per-request checks were not made")
+            return
+        twice = [rid for rid, n in self.logged.items() if n > 1]
+        if twice:
+            self.problems.append(f"{len(twice)} request(s) logged more than once by the gateway, e.g. {twice[0]}")
+        unknown = [rid for rid in self.logged if rid not in self.answered and rid not in self.failed]
+        if unknown:
+            self.problems.append(
+                f"{len(unknown)} request(s) in the gateway's log that no client sent, e.g. {unknown[0]}"
+            )
+        missing = [rid for rid in self.answered if rid not in self.logged]
+        if missing:
+            self.problems.append(
+                f"{len(missing)} answered request(s) missing from the gateway's log, e.g. {missing[0]}"
+            )
+        lines = sum(self.logged.values())
+        if abs(self.counted - lines) > 0.5:
+            self.problems.append(
+                f"the gateway's specgate_requests_total grew by {self.counted:g}, its access log has {lines} lines"
+            )
 
     def render(self) -> str:
         c, s = self.config, self.samples
         lines = [
             f"soak: {c.streams} streams for {c.duration_s:g}s through {c.rules} "
             f"({c.stall_share:.0%} of requests stop reading; faults {'on' if c.faults else 'off'})",
-            f"requests sent {self.sent}, counted by the gateway {self.counted:g}",
+            f"requests sent {self.sent}, counted by the gateway {self.counted:g} "
+            f"(access log: {sum(self.logged.values())} lines; client-side failures {len(self.failed)}, "
+            f"{sum(1 for r in self.failed if r in self.logged)} of them seen by the gateway)",
             "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
             "faults: " + (", ".join(f"{n} {a:.0f}-{b:.0f}s" for a, b, n in self.windows) or "none"),
         ]
@@ -151,6 +201,7 @@ class Report:
                 f"open fds: start {s[0].fds}, end {s[-1].fds}, peak {max(x.fds for x in s)}",
                 f"in flight: peak {max(x.in_flight for x in s):g}, at the end {self.final_in_flight:g}",
                 f"ejections: {len(self.ejected_at)}" + (f" at {self.ejected_at}" if self.ejected_at else ""),
+                *(f"  ejected {e.endpoint} at {e.at:.1f}s: {e.why}" for e in self.ejections),
                 "timeline (t s, RSS kB, fds, in flight): "
                 + "; ".join(f"{x.t:.0f} {x.rss_kb} {x.fds} {x.in_flight:g}" for x in s[:: max(1, len(s) // 12)]),
             ]
@@ -177,9 +228,42 @@ def _sum(text: str, name: str) -> float:
     return total
 
 
+def read_gateway_log(path: Path, report: Report, wall0: float) -> None:
+    """The gateway's side from its log: access lines per request id, and each ejection (``wall0``: the wall-clock
+    time of the run's start, for the ejections' times)."""
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                line = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue  # a line not written by the gateway's logger
+            if not isinstance(line, dict):
+                continue
+            if line.get("event") == "request":
+                report.logged[str(line.get("request_id"))] += 1
+                continue
+            message = str(line.get("message", ""))
+            m = EJECTED.search(message)
+            if m is not None:
+                report.ejections.append(Ejection(_log_time(str(line.get("ts", ""))) - wall0, m.group(1), message))
+    report.log_read = True
+
+
+def _log_time(ts: str) -> float:
+    """The epoch seconds of a log line's ``ts`` (UTC, ``2026-12-01T19:29:04.048Z``); nan when unreadable."""
+    try:
+        whole, _, ms = ts.rstrip("Z").partition(".")
+        return calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S")) + int(ms or 0) / 1000
+    except ValueError:
+        return float("nan")
+
+
 class _Soak:
     def __init__(self, cfg: SoakConfig, url: str, gw_pid: int, stand_ins: list[StandIn], redis: Any) -> None:
         self.cfg, self.url, self.gw_pid = cfg, url, gw_pid
+        self.log_path: Path | None = None
+        self.wall0 = 0.0
+        self.seq = 0
         self.stand_ins = stand_ins
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.redis = redis
@@ -201,10 +285,15 @@ class _Soak:
             }
         )
 
-    async def normal(self, session: aiohttp.ClientSession) -> str:
+    def request_id(self) -> str:
+        self.seq += 1
+        return f"soak-{self.seq}"
+
+    async def normal(self, session: aiohttp.ClientSession, rid: str) -> str:
         try:
-            body, headers = self.body(self.cfg.max_tokens), {"content-type": "application/json"}
+            body, headers = self.body(self.cfg.max_tokens), {"content-type": "application/json", "x-request-id": rid}
             async with session.post(self.url + "/v1/chat/completions", data=body, headers=headers) as r:
+                self.report.answered.add(rid)
                 data = await r.read()
                 if r.status in (429, 503) and "retry-after" in r.headers:
                     await asyncio.sleep(min(5.0, float(r.headers["retry-after"])))  # as the OpenAI SDKs do
@@ -217,12 +306,12 @@ class _Soak:
             return "broken"
         return "stream_error" if b'data: {"error"' in data else "ok"
 
-    async def stalled(self) -> str:
+    async def stalled(self, rid: str) -> str:
         """A client with a tiny receive buffer that reads nothing for three send deadlines, then reads the rest."""
         body = self.body(self.cfg.stall_tokens)
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
         host, port = self.url.removeprefix("http://").split(":")
         try:
@@ -242,12 +331,17 @@ class _Soak:
             return "client_exception"
         finally:
             writer.close()
+        if data.startswith(b"HTTP/1.1 "):
+            self.report.answered.add(rid)
         return "stalled_ok" if data.rstrip().endswith(b"data: [DONE]") else "stalled_cut"
 
     async def client(self, session: aiohttp.ClientSession) -> None:
         while not self.stop.is_set():
             stall = self.rng.random() < self.cfg.stall_share
-            outcome = await (self.stalled() if stall else self.normal(session))
+            rid = self.request_id()
+            outcome = await (self.stalled(rid) if stall else self.normal(session, rid))
+            if rid not in self.report.answered:
+                self.report.failed.add(rid)
             self.report.outcomes[outcome] += 1
             self.report.sent += 1
 
@@ -314,7 +408,7 @@ class _Soak:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             before = _sum(await self.metrics_text(session), "specgate_requests_total")
-            self.t0 = time.monotonic()
+            self.t0, self.wall0 = time.monotonic(), time.time()
             sampler = asyncio.create_task(self.sampler(session))
             faults = asyncio.create_task(self.faults(session)) if self.cfg.faults else None
             clients = [asyncio.create_task(self.client(session)) for _ in range(self.cfg.streams)]
@@ -340,6 +434,9 @@ class _Soak:
         rss, fds = _proc_numbers(self.gw_pid)
         t = round(time.monotonic() - self.t0, 1)
         self.report.samples.append(Sample(t, rss, fds, self.report.final_in_flight, 0.0, 0.0))
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):  # not read: check() says so
+                read_gateway_log(self.log_path, self.report, self.wall0)
         self.report.check()
         return self.report
 
@@ -399,13 +496,17 @@ def run_soak(cfg: SoakConfig) -> Report:
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
             port = free_port()
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
-            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
+            # info: the access log (one line per request) is the gateway's side of the per-request check
+            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "info", "--admin-port", "0"]
             if redis is not None:
                 cmd += ["--redis-url", redis.url]
-            gw = subprocess.Popen(cmd)
+            log_path = Path(tmp) / "gateway.log"
+            with log_path.open("wb") as log:
+                gw = subprocess.Popen(cmd, stderr=log)
             wait_for_port(port, timeout_s=60)  # a busy machine starts a Python process slowly
             soak = _Soak(cfg, f"http://127.0.0.1:{port}", gw.pid, stand_ins, redis)
             soak.procs = procs
+            soak.log_path = log_path
             soak.model = rules["pools"][0]["models"][0]
             return asyncio.run(soak.run())
     finally:

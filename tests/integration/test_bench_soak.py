@@ -31,5 +31,29 @@ def test_the_checks_can_fail() -> None:
     r.windows = [(1.0, 2.0, "cut")]
     r.ejected_at = [9.0]
     r.samples = [Sample(0.0, 1000, 20, 0, 0, 0), Sample(10.0, 1200, 80, 0, 0, 0)]
+    r.answered = {"a", "b", "c"}
+    r.failed = {"d"}
+    r.logged.update({"a": 2, "b": 1, "x": 1})  # a twice, c missing, x never sent; 4 lines, 9 counted
+    r.log_read = True
     r.check()
-    assert len(r.problems) == 6  # counts, broken, in flight, RSS, fds, ejection
+    kinds = ("more than once", "no client sent", "missing from", "access log has", "[DONE]", "in-flight", "RSS", "fds")
+    for kind in (*kinds, "outside every fault window"):
+        assert any(kind in p for p in r.problems), (kind, r.problems)
+    assert len(r.problems) == 9
+
+
+def test_client_side_failures_may_be_unseen_by_the_gateway_and_effects_outlast_a_window() -> None:
+    r = Report(SoakConfig(duration_s=10, effect_s=5.0))
+    r.sent, r.counted, r.final_in_flight = 3, 2, 0
+    r.answered, r.failed = {"a", "b"}, {"c"}  # c was refused before the gateway read it
+    r.logged.update({"a": 1, "b": 1})
+    r.log_read = True
+    r.windows = [(1.0, 2.0, "restart")]
+    r.ejected_at = [6.5]  # within effect_s of the window's end
+    r.check()
+    assert r.problems == []
+    r.log_read = False
+    r.problems = []
+    r.check()
+    assert len(r.problems) == 1
+    assert "not made" in r.problems[0]  # an unread log is a failure, never a pass
