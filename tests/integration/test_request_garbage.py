@@ -33,6 +33,7 @@ from tests.conftest import MODEL, ServerThread, rules_for
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.fixture
 def sims() -> Iterator[list[SimServer]]:
     started = [
@@ -56,10 +57,7 @@ def sims() -> Iterator[list[SimServer]]:
 def _requests_total(url: str) -> float:
     text = httpx.get(url + "/metrics").text
     return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "specgate_requests_total"
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "specgate_requests_total"
     )
 
 
