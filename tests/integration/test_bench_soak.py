@@ -1,7 +1,8 @@
-"""``specgate bench soak`` in small: real simulated pools, the gateway as a process, concurrent streams with faults on
-a compressed schedule (cut streams, hangs, 503s, a server restart) and a share of clients that stop reading. The
-checks are the soak's own (``Report.check``): every request counted exactly once by the gateway, no stream without
-its end, in-flight gauges back to 0, RSS flat after warm-up, no ejection outside a fault window."""
+"""``specgate bench soak`` in small (a minute, 40 streams): real simulated pools, the gateway as a process,
+concurrent streams with faults on a compressed schedule (cut streams, hangs, 503s, a server restart) and a share of
+clients that stop reading. The checks are the soak's own (``Report.check``): every request exactly one terminal
+outcome (by request id, against the gateway's access log), no stream without its end, in-flight gauges back to 0,
+RSS flat after warm-up (the run's default 10%), no ejection outside a fault window."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from gateway.bench.soak import Report, Sample, SoakConfig, run_soak
 pytestmark = pytest.mark.integration
 
 
-def test_soak_in_small_keeps_every_invariant() -> None:
-    # A short run: the warm-up is most of the memory growth, so the bound is looser than the 10% of a long run.
-    cfg = SoakConfig(streams=40, duration_s=20, stall_share=0.05, max_rss_growth=0.25, send_timeout_s=1.0)
+def test_soak_for_a_minute_keeps_every_invariant() -> None:
+    # The fault windows, the warm-up and the ejection allowance are fractions of the duration or follow the
+    # faults as they happen, so a slow machine makes the run do less, not fail: no check is a wall-clock deadline.
+    cfg = SoakConfig(streams=40, duration_s=60, stall_share=0.05, send_timeout_s=1.0)
     report = run_soak(cfg)
     print(report.render())
     assert not report.problems, report.render()
