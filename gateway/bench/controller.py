@@ -426,8 +426,30 @@ def render(run: Run, spec_pools: set[str]) -> str:
                 acc,
             )
     console.print(table)
+    console.print(step_summary(run))
     console.print(recovery_table(run))
     return buf.getvalue()
+
+
+def step_summary(run: Run) -> str:
+    """The load step against the unloaded first phase: the admitted requests' p95 as a multiple of the unloaded
+    p95, and how many were shed and how fast their answer came."""
+    if len(run.phases) < 2:
+        return ""
+    first = run.phases[0].name
+    busiest = max(run.phases, key=lambda p: p.rate).name
+    unloaded = [r.latency_s for r in run.results if r.phase == first and r.status == 200]
+    step = [r for r in run.results if r.phase == busiest]
+    admitted = [r.latency_s for r in step if r.status == 200]
+    shed = [r.latency_s for r in step if r.shed]
+    base = _pct(unloaded, 0.95)
+    ratio = _pct(admitted, 0.95) / base if base > 0 else math.nan
+    return (
+        f"unloaded ({first}): p50 {_pct(unloaded, 0.5):.3f} s, p95 {base:.3f} s; {busiest}: admitted p95 "
+        f"{_pct(admitted, 0.95):.3f} s ({ratio:.1f}x unloaded), shed {len(shed)} of {len(step)} "
+        f"({len(shed) / max(1, len(step)):.0%}) answered in p95 {_pct(shed, 0.95):.3f} s, "
+        f"errors {sum(1 for r in step if r.error)}"
+    )
 
 
 def recovery_rows(run: Run, bin_s: float = 5.0) -> list[dict[str, float]]:
@@ -470,9 +492,12 @@ def recovery_table(run: Run, bin_s: float = 5.0) -> Any:
     from rich.table import Table
 
     table = Table(title="after the busiest phase (requests of the later phases, by the time each was due)")
-    cols = ("seconds after it", "requests", "shed", "errors", "p50 s", "p95 s", "sent late p95 s", "in flight", "bound")
+    cols = ["seconds after it", "requests", "shed", "errors", "p50 s", "p95 s", "p95 / unloaded", "sent late p95 s"]
+    cols += ["in flight", "bound"]
     for col in cols:
         table.add_column(col, justify="right")
+    first = run.phases[0].name if run.phases else ""
+    base = _pct([r.latency_s for r in run.results if r.phase == first and r.status == 200], 0.95)
     for row in recovery_rows(run, bin_s):
         table.add_row(
             f"{row['from']:g}-{row['to']:g}",
@@ -481,6 +506,7 @@ def recovery_table(run: Run, bin_s: float = 5.0) -> Any:
             f"{row['errors']:g}",
             f"{row['p50']:.3f}",
             f"{row['p95']:.3f}",
+            f"{row['p95'] / base:.1f}" if base > 0 else "-",
             f"{row['late_p95']:.3f}",
             f"{row['in_flight']:g}",
             f"{row['limit']:g}",

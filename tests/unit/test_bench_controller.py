@@ -19,6 +19,7 @@ from gateway.bench.controller import (
     recovery_rows,
     render,
     scaled_rules,
+    step_summary,
 )
 from gateway.config.schema import RoutingRules
 
@@ -93,3 +94,17 @@ def test_only_admission_controls_answer_counts_as_shed() -> None:
     assert error_code(b'{"error": {"code": "overloaded", "message": "full"}}') == "overloaded"
     assert error_code(b"not json") == ""
     assert error_code(b'{"error": "flat"}') == ""
+
+
+def test_the_step_summary_compares_the_admitted_with_the_unloaded() -> None:
+    run = Run([Phase("low", 1, 10), Phase("high", 5, 10), Phase("low-2", 1, 10)])
+    run.results = [
+        Result(1.0, "code", "low", 200, 0.1),
+        Result(11.0, "code", "high", 200, 0.3),
+        Result(12.0, "code", "high", 503, 0.01, shed=True, code="overloaded"),
+        Result(13.0, "code", "high", 503, 0.02, shed=True, code="overloaded"),
+    ]
+    text = step_summary(run)
+    assert "p95 0.100 s" in text
+    assert "admitted p95 0.300 s (3.0x unloaded)" in text
+    assert "shed 2 of 3 (67%) answered in p95 0.020 s" in text
