@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.soak import Report, Sample, SoakConfig, run_soak
+from gateway.bench.soak import run_soak
+from gateway.bench.soak_checks import Report, Sample, SoakConfig
 
 pytestmark = pytest.mark.integration
 

@@ -16,11 +16,9 @@ from gateway.bench.controller import (
     error_code,
     is_shed,
     parse_phases,
-    recovery_rows,
-    render,
     scaled_rules,
-    step_summary,
 )
+from gateway.bench.controller_report import recovery_rows, render, step_summary
 from gateway.config.schema import RoutingRules
 
 ROOT = Path(__file__).resolve().parents[2]
