@@ -206,24 +206,44 @@ class _Soak:
                 elif f.name == "redis":
                     await asyncio.to_thread(self.redis.restart)
                 else:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with session.put(f"http://127.0.0.1:{target.port}/sim/faults", json=f.patch) as r:
-                            await r.read()
+                    await self.sim_faults(session, target, "PUT", "/sim/faults", f.patch)
                 await asyncio.sleep(max(0.0, self.t0 + f.end * self.cfg.duration_s - time.monotonic()))
-                if f.patch:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with session.post(f"http://127.0.0.1:{target.port}/sim/faults/reset") as r:
-                            await r.read()
+                if f.patch and not await self.sim_faults(session, target, "POST", "/sim/faults/reset", None):
+                    await self.stop.wait()  # still on: its window stays open to the end of the run (which fails)
+                    return
                 windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), f.name)
         finally:
             if windows and windows[-1][1] == float("inf"):  # cut short by the end of the run
                 windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), windows[-1][2])
 
+    async def sim_faults(
+        self, session: aiohttp.ClientSession, target: StandIn, method: str, path: str, body: dict[str, Any] | None
+    ) -> bool:
+        """Set or reset the server's faults, tried three times; a failure is one of the run's problems (a fault that
+        stays on outlasts its window)."""
+        error = ""
+        for _ in range(3):
+            try:
+                async with session.request(method, f"http://127.0.0.1:{target.port}{path}", json=body) as r:
+                    await r.read()
+                    if r.status < 300:
+                        return True
+                    error = f"HTTP {r.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(1.0)
+        self.report.problems.append(f"{method} {path} on {target.pool}'s server failed: {error}")
+        return False
+
     def restart(self, target: StandIn) -> None:
         """Stop the pool's server process and start it again on the same port (a pod restart)."""
         proc = self.procs[target.pool]
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
         time.sleep(0.5)
         self.procs[target.pool] = subprocess.Popen(target.cmd, stdout=subprocess.DEVNULL)
         wait_for_port(target.port, timeout_s=60)

@@ -6,10 +6,15 @@ RSS flat after warm-up (the run's default 10%), no ejection outside a fault wind
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import pytest
 
-from gateway.bench.soak import run_soak
+from gateway.bench.soak import _Soak, run_soak
 from gateway.bench.soak_checks import Report, Sample, SoakConfig
+from gateway.sim.launch import StandIn
+from tests.conftest import closed_port_url
 
 pytestmark = pytest.mark.integration
 
@@ -60,3 +65,16 @@ def test_client_side_failures_may_be_unseen_by_the_gateway_and_effects_outlast_a
     r.check()
     assert len(r.problems) == 1
     assert "not made" in r.problems[0]  # an unread log is a failure, never a pass
+
+
+def test_a_fault_that_cannot_be_turned_off_is_one_of_the_runs_problems() -> None:
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    soak = _Soak(SoakConfig(), "http://127.0.0.1:9", 0, [StandIn("std", port, [])], None)
+
+    async def reset() -> bool:
+        async with aiohttp.ClientSession() as session:
+            return await soak.sim_faults(session, soak.stand_ins[0], "POST", "/sim/faults/reset", None)
+
+    assert asyncio.run(reset()) is False
+    assert len(soak.report.problems) == 1
+    assert "/sim/faults/reset on std's server failed" in soak.report.problems[0]
