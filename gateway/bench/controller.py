@@ -392,7 +392,7 @@ def bench_controller(
     try:
         with tempfile.TemporaryDirectory(prefix="specgate-bench-") as tmp:
             for s in stand_ins:
-                wait_for_port(s.port)
+                wait_for_port(s.port, timeout_s=60)  # a busy machine starts a Python process slowly
             path = Path(tmp) / "rules.yaml"
             gw_rules = with_admission(scaled_rules(stand_in_rules(rules, ports), time_scale), max_num_seqs, admission)
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
@@ -400,7 +400,7 @@ def bench_controller(
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "warning", "--admin-port", "0"]
             gw = subprocess.Popen(cmd)
-            wait_for_port(port)
+            wait_for_port(port, timeout_s=60)
             model = rules["pools"][0]["models"][0]
             run = asyncio.run(drive(f"http://127.0.0.1:{port}", model, phases, max_tokens=max_tokens))
     finally:
