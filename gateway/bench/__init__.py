@@ -4,4 +4,9 @@
   pure, no I/O beyond reading the routing YAML.
 - ``gateway.bench.overhead`` / ``gateway.bench.static_upstream``: the latency the whole gateway adds per request,
   against a static upstream.
+- ``gateway.bench.controller`` / ``gateway.bench.controller_report``: the route-state controllers and admission
+  control under a load step, against simulated pools, and its report.
+- ``gateway.bench.soak`` / ``gateway.bench.soak_checks``: many concurrent streams for a long time with faults on a
+  schedule, and its invariants (one terminal outcome per request, gauges back to 0, flat memory, no busy endpoint
+  ejected).
 """

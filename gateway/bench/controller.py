@@ -8,10 +8,17 @@ takes twenty minutes on real servers. While it runs it polls the gateway's ``/me
 records every change of each controlled class's state and speculative share.
 
 Reports: the transitions with their times since the start; per phase and class the requests, the errors, the
-requests shed (503/429 with ``Retry-After``: admission control), the share answered by the speculative pool,
+requests shed (admission control's answer), the share answered by the speculative pool,
 client-side p50/p95 latency of the answered ones and the class's acceptance rate over the phase (Δaccepted /
 Δdraft tokens of the gateway's per-class counters, i.e. vLLM's per-request spec-decode metrics); and the recovery
-after the busiest phase: p50/p95 of the requests sent in each 5 s after it ended.
+after the busiest phase: for the requests of the phases after it, by the time each was due, p50/p95 latency, the
+shed and failed ones, how late the load generator sent them (a starved machine's generator falls behind: a request
+due during the step but sent after it belongs to the step, not to the recovery), and the gateway's own in-flight
+count and admission bound in that bin (from ``/metrics``). The tables are built by
+``gateway.bench.controller_report``.
+
+"Shed" is what admission control answers: 429, or 503 ``overloaded`` with ``Retry-After``. Any other refusal (a
+503 ``upstream_timeout`` or ``no_capacity``, with or without ``Retry-After``) is an error.
 
 Each simulated pool's ``max_num_seqs`` is written into the gateway's copy of the YAML, so admission control is
 sized from it (``admission=False`` turns admission control off, for the comparison).
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,18 +151,56 @@ def with_admission(rules: dict[str, Any], max_num_seqs: int, enabled: bool) -> d
 
 @dataclass(slots=True)
 class Result:
-    sent_at: float
+    sent_at: float  # seconds since the start, when the request was sent
     label: str
     phase: str
     status: int
     latency_s: float
     traffic_class: str = ""
     pool: str = ""
-    shed: bool = False  # 429/503 with Retry-After: refused fast, as admission control does
+    shed: bool = False  # 429, or 503 overloaded with Retry-After: refused fast, as admission control does
+    due_at: float | None = None  # when the open-loop schedule wanted it sent (None: sent_at)
+    code: str = ""  # the error envelope's code of a refused request
 
     @property
     def error(self) -> bool:
         return self.status != 200 and not self.shed
+
+    @property
+    def due(self) -> float:
+        return self.sent_at if self.due_at is None else self.due_at
+
+    @property
+    def late_s(self) -> float:
+        """How far behind its schedule the load generator sent it."""
+        return max(0.0, self.sent_at - self.due)
+
+
+def is_shed(status: int, retry_after: bool, code: str) -> bool:
+    """Admission control's answer: 429, or 503 ``overloaded``, with ``Retry-After``."""
+    return retry_after and (status == 429 or (status == 503 and code == "overloaded"))
+
+
+def error_code(body: bytes) -> str:
+    """The ``error.code`` of an OpenAI error envelope ("" when the body is not one)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayLoad:
+    """One poll of the gateway's own numbers: requests in flight (all pools), the admission bound summed over the
+    bounded pools, and the endpoints whose last health check passed."""
+
+    at: float
+    in_flight: float
+    limit: float
+    healthy: float
 
 
 @dataclass(slots=True)
@@ -173,6 +219,7 @@ class Run:
     changes: list[Change] = field(default_factory=list)
     boundaries: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # phase → class → counts
     final_share: dict[str, float] = field(default_factory=dict)
+    load: list[GatewayLoad] = field(default_factory=list)
 
 
 def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -208,8 +255,15 @@ class _Monitor:
         states: dict[str, str] = {}
         shares: dict[str, float] = {}
         reasons: dict[str, str] = {}
+        in_flight = limit = healthy = 0.0
         for name, labels, value in _samples(self.last_text):
-            if name == "specgate_class_route_state" and value == 1.0:
+            if name == "specgate_in_flight_requests":
+                in_flight += value
+            elif name == "specgate_admission_limit":
+                limit += value
+            elif name == "specgate_endpoint_healthy":
+                healthy += value
+            elif name == "specgate_class_route_state" and value == 1.0:
                 states[labels["class"]] = labels["state"]
             elif name == "specgate_class_speculative_share":
                 shares[labels["class"]] = value
@@ -225,6 +279,7 @@ class _Monitor:
                 self.run.changes.append(Change(round(now, 2), cls, st, cur[1], reason))
                 self.state[cls] = cur
         self.run.final_share = shares
+        self.run.load.append(GatewayLoad(round(now, 2), in_flight, limit, healthy))
 
     async def loop(self, poll_s: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -235,7 +290,14 @@ class _Monitor:
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, model: str, item: MixItem, phase: str, max_tokens: int, t0: float
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    item: MixItem,
+    phase: str,
+    max_tokens: int,
+    t0: float,
+    due: float,
 ) -> Result:
     body = {
         "model": model,
@@ -246,7 +308,8 @@ async def _one(
     start = time.monotonic()
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-            await r.read()
+            data = await r.read()
+            code = error_code(data) if r.status != 200 else ""
             return Result(
                 start - t0,
                 item.label,
@@ -255,10 +318,12 @@ async def _one(
                 time.monotonic() - start,
                 r.headers.get("x-specgate-class", ""),
                 r.headers.get("x-specgate-pool", ""),
-                shed=r.status in (429, 503) and "retry-after" in r.headers,
+                shed=is_shed(r.status, "retry-after" in r.headers, code),
+                due_at=due,
+                code=code,
             )
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return Result(start - t0, item.label, phase, 0, time.monotonic() - start, type(exc).__name__)
+        return Result(start - t0, item.label, phase, 0, time.monotonic() - start, type(exc).__name__, due_at=due)
 
 
 async def drive(
@@ -297,7 +362,8 @@ async def drive(
                 if delay > 0:
                     await asyncio.sleep(delay)
                 item = rng.choices(mix, weights)[0]
-                tasks.append(asyncio.create_task(_one(session, url, model, item, phase.name, max_tokens, t0)))
+                job = _one(session, url, model, item, phase.name, max_tokens, t0, next_at)
+                tasks.append(asyncio.create_task(job))
             delay = t0 + end - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -308,95 +374,6 @@ async def drive(
         stop.set()
         await mon
     return run
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
-
-
-def render(run: Run, spec_pools: set[str]) -> str:
-    from io import StringIO
-
-    from rich.console import Console
-    from rich.table import Table
-
-    buf = StringIO()
-    console = Console(file=buf, width=120, force_terminal=False)
-    t = 0.0
-    spans = []
-    for p in run.phases:
-        spans.append(f"{p.name} {p.rate:g}/s {t:g}-{t + p.duration_s:g}s")
-        t += p.duration_s
-    console.print("phases: " + ", ".join(spans))
-    changes = Table(title="controller state changes (seconds since start)")
-    for col in ("t", "class", "state", "speculative share", "reason"):
-        changes.add_column(col)
-    for c in run.changes:
-        changes.add_row(f"{c.at:.2f}", c.traffic_class, c.state, f"{c.share:.3g}", c.reason)
-    console.print(changes)
-    table = Table(title="per phase and class")
-    for col in ("phase", "class", "requests", "errors", "shed", "on speculative", "p50 s", "p95 s", "acceptance rate"):
-        table.add_column(col, justify="right" if col not in ("phase", "class") else "left")
-    names = [p.name for p in run.phases]
-    keys = [k for k in run.boundaries if k.endswith("@start")]
-    for i, phase in enumerate(names):
-        start = run.boundaries.get(keys[i], {}) if i < len(keys) else {}
-        stop = run.boundaries.get(keys[i + 1], {}) if i + 1 < len(keys) else run.boundaries.get("end", {})
-        rows = [r for r in run.results if r.phase == phase]
-        for cls in sorted({r.traffic_class for r in rows}):
-            mine = [r for r in rows if r.traffic_class == cls]
-            ok = [r for r in mine if r.status == 200]
-            on_spec = sum(1 for r in ok if r.pool in spec_pools)
-            d0, a0 = start.get(cls, (0.0, 0.0))
-            d1, a1 = stop.get(cls, (d0, a0))
-            acc = f"{(a1 - a0) / (d1 - d0):.3f}" if d1 > d0 else "-"
-            lat = [r.latency_s for r in ok]
-            table.add_row(
-                phase,
-                cls,
-                str(len(mine)),
-                str(sum(1 for r in mine if r.error)),
-                str(sum(1 for r in mine if r.shed)),
-                f"{on_spec / len(ok):.0%}" if ok else "-",
-                f"{_pct(lat, 0.5):.3f}",
-                f"{_pct(lat, 0.95):.3f}",
-                acc,
-            )
-    console.print(table)
-    console.print(recovery_table(run))
-    return buf.getvalue()
-
-
-def recovery_table(run: Run, bin_s: float = 5.0) -> Any:
-    """After the busiest phase: the answered requests sent in each ``bin_s`` seconds, their p50/p95 latency, and
-    the shed and failed ones (the time it takes latency to come back once the load step ends)."""
-    from rich.table import Table
-
-    table = Table(title="after the busiest phase (by send time)")
-    for col in ("seconds after it", "requests", "shed", "errors", "p50 s", "p95 s"):
-        table.add_column(col, justify="right")
-    if not run.phases:
-        return table
-    busiest = max(range(len(run.phases)), key=lambda i: run.phases[i].rate)
-    end = sum(p.duration_s for p in run.phases[: busiest + 1])
-    total = sum(p.duration_s for p in run.phases)
-    t = end
-    while t < total - 1e-9:
-        mine = [r for r in run.results if t <= r.sent_at < t + bin_s]
-        lat = [r.latency_s for r in mine if r.status == 200]
-        table.add_row(
-            f"{t - end:g}-{min(t + bin_s, total) - end:g}",
-            str(len(mine)),
-            str(sum(1 for r in mine if r.shed)),
-            str(sum(1 for r in mine if r.error)),
-            f"{_pct(lat, 0.5):.3f}",
-            f"{_pct(lat, 0.95):.3f}",
-        )
-        t += bin_s
-    return table
 
 
 def bench_controller(
@@ -420,7 +397,7 @@ def bench_controller(
     try:
         with tempfile.TemporaryDirectory(prefix="specgate-bench-") as tmp:
             for s in stand_ins:
-                wait_for_port(s.port)
+                wait_for_port(s.port, timeout_s=60)  # a busy machine starts a Python process slowly
             path = Path(tmp) / "rules.yaml"
             gw_rules = with_admission(scaled_rules(stand_in_rules(rules, ports), time_scale), max_num_seqs, admission)
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
@@ -428,7 +405,7 @@ def bench_controller(
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "warning", "--admin-port", "0"]
             gw = subprocess.Popen(cmd)
-            wait_for_port(port)
+            wait_for_port(port, timeout_s=60)
             model = rules["pools"][0]["models"][0]
             run = asyncio.run(drive(f"http://127.0.0.1:{port}", model, phases, max_tokens=max_tokens))
     finally:

@@ -7,15 +7,12 @@ as a hung client does. Faults are injected on a schedule, as fractions of the du
 cut streams, hangs, 503s, a restart of the server process, and a restart of Redis when there is one.
 
 Every second it samples the gateway's RSS and open file descriptors (``/proc``), the in-flight gauges, the
-ejections and the gateway's request count. Every request ends with exactly one client-side outcome (``ok``,
-``stream_error``, ``shed``, ``stalled_cut``, ``stalled_ok``, ``status_N``, ``client_exception``, ``broken``).
+ejections and the gateway's request count. Every request carries its own ``X-Request-Id`` and ends with exactly one
+client-side outcome (``ok``, ``stream_error``, ``shed``, ``stalled_cut``, ``stalled_ok``, ``status_N``,
+``client_exception``, ``broken``); the gateway's access log (its stderr, kept in a file) gives its side: one line
+per request it finished, and a warning per ejection with the failures that caused it.
 
-Checks (``Report.problems``; none = pass): the gateway counted every request exactly once (its
-``specgate_requests_total`` grew by the number of requests sent), no stream ended without ``[DONE]`` (``broken``),
-the in-flight gauges are back to 0 at the end, RSS grew less than ``max_rss_growth`` from the end of the warm-up
-(the first ``warmup_share`` of the run) to the end, open file descriptors are back within a few of the start once
-idle connections have closed, and no endpoint was ejected outside the fault windows (an
-endpoint that was only busy is never ejected).
+The checks (``Report.problems``; none = pass) and the report are in ``gateway.bench.soak_checks``.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +37,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.bench.controller import scaled_rules, with_admission
+from gateway.bench.soak_checks import Report, Sample, SoakConfig, read_gateway_log
 from gateway.sim.launch import StandIn, free_port, plan_stand_ins, stand_in_rules, wait_for_port
 
 PROMPTS = (
@@ -48,9 +45,6 @@ PROMPTS = (
     (0.3, "What should I look at when I compare two job offers?"),
     (1.0, "Write a short story about a lighthouse keeper who finds a map."),
 )
-
-
-FD_SLACK = 10  # descriptors the gateway may hold open after the run beyond those at the start (logs, the loop's own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,94 +62,6 @@ SCHEDULE = (
     Fault(0.60, 0.70, "restart"),
     Fault(0.75, 0.85, "redis"),
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SoakConfig:
-    rules: Path = Path("routing_rules/default.yaml")
-    streams: int = 1000
-    duration_s: float = 600.0
-    time_scale: float = 0.05
-    max_num_seqs: int = 256
-    max_tokens: int = 48
-    stall_share: float = 0.01  # of the requests: a client that stops reading a long answer
-    stall_tokens: int = 30000
-    send_timeout_s: float = 2.0  # the gateway's overload.client_send_timeout_s for the run
-    faults: bool = True
-    redis: bool = False
-    warmup_share: float = 0.2
-    max_rss_growth: float = 0.10
-    sample_s: float = 1.0
-    settle_s: float = 6.0  # after the run, before the last sample: idle keep-alive connections close
-    seed: int = 11
-
-
-@dataclass(slots=True)
-class Sample:
-    t: float
-    rss_kb: int
-    fds: int
-    in_flight: float
-    ejections: float
-    requests: float
-
-
-@dataclass(slots=True)
-class Report:
-    config: SoakConfig
-    samples: list[Sample] = field(default_factory=list)
-    outcomes: Counter[str] = field(default_factory=Counter)
-    sent: int = 0
-    counted: float = 0.0  # the gateway's specgate_requests_total growth
-    final_in_flight: float = float("nan")
-    windows: list[tuple[float, float, str]] = field(default_factory=list)  # seconds, fault
-    ejected_at: list[float] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def rss_at(self, t: float) -> int:
-        before = [s.rss_kb for s in self.samples if s.t <= t]
-        return before[-1] if before else (self.samples[0].rss_kb if self.samples else 0)
-
-    def check(self) -> None:
-        c = self.config
-        if abs(self.counted - self.sent) > 0.5:
-            self.problems.append(f"the gateway counted {self.counted:g} requests, the clients sent {self.sent}")
-        if self.outcomes.get("broken"):
-            self.problems.append(f"{self.outcomes['broken']} stream(s) ended without [DONE] or an error event")
-        if self.final_in_flight != 0:
-            self.problems.append(f"in-flight gauges at the end: {self.final_in_flight:g} (expected 0)")
-        if self.samples:
-            warm, end = self.rss_at(c.duration_s * c.warmup_share), self.samples[-1].rss_kb
-            if warm and (end - warm) / warm >= c.max_rss_growth:
-                self.problems.append(f"RSS grew {100 * (end - warm) / warm:.1f}% after warm-up ({warm} -> {end} kB)")
-        if len(self.samples) > 1 and self.samples[-1].fds > self.samples[0].fds + FD_SLACK:
-            self.problems.append(f"open fds: {self.samples[0].fds} at the start, {self.samples[-1].fds} at the end")
-        for at in self.ejected_at:
-            if not any(start - 1.0 <= at <= end + 5.0 for start, end, _ in self.windows):
-                self.problems.append(f"an endpoint was ejected at {at:.1f}s, outside every fault window")
-
-    def render(self) -> str:
-        c, s = self.config, self.samples
-        lines = [
-            f"soak: {c.streams} streams for {c.duration_s:g}s through {c.rules} "
-            f"({c.stall_share:.0%} of requests stop reading; faults {'on' if c.faults else 'off'})",
-            f"requests sent {self.sent}, counted by the gateway {self.counted:g}",
-            "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
-            "faults: " + (", ".join(f"{n} {a:.0f}-{b:.0f}s" for a, b, n in self.windows) or "none"),
-        ]
-        if s:
-            warm = self.rss_at(c.duration_s * c.warmup_share)
-            lines += [
-                f"RSS kB: start {s[0].rss_kb}, after warm-up {warm}, end {s[-1].rss_kb}, "
-                f"peak {max(x.rss_kb for x in s)}",
-                f"open fds: start {s[0].fds}, end {s[-1].fds}, peak {max(x.fds for x in s)}",
-                f"in flight: peak {max(x.in_flight for x in s):g}, at the end {self.final_in_flight:g}",
-                f"ejections: {len(self.ejected_at)}" + (f" at {self.ejected_at}" if self.ejected_at else ""),
-                "timeline (t s, RSS kB, fds, in flight): "
-                + "; ".join(f"{x.t:.0f} {x.rss_kb} {x.fds} {x.in_flight:g}" for x in s[:: max(1, len(s) // 12)]),
-            ]
-        lines.append("PASS" if not self.problems else "FAIL: " + "; ".join(self.problems))
-        return "\n".join(lines)
 
 
 def _proc_numbers(pid: int) -> tuple[int, int]:
@@ -180,6 +86,9 @@ def _sum(text: str, name: str) -> float:
 class _Soak:
     def __init__(self, cfg: SoakConfig, url: str, gw_pid: int, stand_ins: list[StandIn], redis: Any) -> None:
         self.cfg, self.url, self.gw_pid = cfg, url, gw_pid
+        self.log_path: Path | None = None
+        self.wall0 = 0.0
+        self.seq = 0
         self.stand_ins = stand_ins
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.redis = redis
@@ -201,10 +110,15 @@ class _Soak:
             }
         )
 
-    async def normal(self, session: aiohttp.ClientSession) -> str:
+    def request_id(self) -> str:
+        self.seq += 1
+        return f"soak-{self.seq}"
+
+    async def normal(self, session: aiohttp.ClientSession, rid: str) -> str:
         try:
-            body, headers = self.body(self.cfg.max_tokens), {"content-type": "application/json"}
+            body, headers = self.body(self.cfg.max_tokens), {"content-type": "application/json", "x-request-id": rid}
             async with session.post(self.url + "/v1/chat/completions", data=body, headers=headers) as r:
+                self.report.answered.add(rid)
                 data = await r.read()
                 if r.status in (429, 503) and "retry-after" in r.headers:
                     await asyncio.sleep(min(5.0, float(r.headers["retry-after"])))  # as the OpenAI SDKs do
@@ -217,12 +131,12 @@ class _Soak:
             return "broken"
         return "stream_error" if b'data: {"error"' in data else "ok"
 
-    async def stalled(self) -> str:
+    async def stalled(self, rid: str) -> str:
         """A client with a tiny receive buffer that reads nothing for three send deadlines, then reads the rest."""
         body = self.body(self.cfg.stall_tokens)
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            f"x-request-id: {rid}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
         host, port = self.url.removeprefix("http://").split(":")
         try:
@@ -242,12 +156,17 @@ class _Soak:
             return "client_exception"
         finally:
             writer.close()
+        if data.startswith(b"HTTP/1.1 "):
+            self.report.answered.add(rid)
         return "stalled_ok" if data.rstrip().endswith(b"data: [DONE]") else "stalled_cut"
 
     async def client(self, session: aiohttp.ClientSession) -> None:
         while not self.stop.is_set():
             stall = self.rng.random() < self.cfg.stall_share
-            outcome = await (self.stalled() if stall else self.normal(session))
+            rid = self.request_id()
+            outcome = await (self.stalled(rid) if stall else self.normal(session, rid))
+            if rid not in self.report.answered:
+                self.report.failed.add(rid)
             self.report.outcomes[outcome] += 1
             self.report.sent += 1
 
@@ -287,24 +206,44 @@ class _Soak:
                 elif f.name == "redis":
                     await asyncio.to_thread(self.redis.restart)
                 else:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with session.put(f"http://127.0.0.1:{target.port}/sim/faults", json=f.patch) as r:
-                            await r.read()
+                    await self.sim_faults(session, target, "PUT", "/sim/faults", f.patch)
                 await asyncio.sleep(max(0.0, self.t0 + f.end * self.cfg.duration_s - time.monotonic()))
-                if f.patch:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with session.post(f"http://127.0.0.1:{target.port}/sim/faults/reset") as r:
-                            await r.read()
+                if f.patch and not await self.sim_faults(session, target, "POST", "/sim/faults/reset", None):
+                    await self.stop.wait()  # still on: its window stays open to the end of the run (which fails)
+                    return
                 windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), f.name)
         finally:
             if windows and windows[-1][1] == float("inf"):  # cut short by the end of the run
                 windows[-1] = (windows[-1][0], round(time.monotonic() - self.t0, 1), windows[-1][2])
 
+    async def sim_faults(
+        self, session: aiohttp.ClientSession, target: StandIn, method: str, path: str, body: dict[str, Any] | None
+    ) -> bool:
+        """Set or reset the server's faults, tried three times; a failure is one of the run's problems (a fault that
+        stays on outlasts its window)."""
+        error = ""
+        for _ in range(3):
+            try:
+                async with session.request(method, f"http://127.0.0.1:{target.port}{path}", json=body) as r:
+                    await r.read()
+                    if r.status < 300:
+                        return True
+                    error = f"HTTP {r.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(1.0)
+        self.report.problems.append(f"{method} {path} on {target.pool}'s server failed: {error}")
+        return False
+
     def restart(self, target: StandIn) -> None:
         """Stop the pool's server process and start it again on the same port (a pod restart)."""
         proc = self.procs[target.pool]
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
         time.sleep(0.5)
         self.procs[target.pool] = subprocess.Popen(target.cmd, stdout=subprocess.DEVNULL)
         wait_for_port(target.port, timeout_s=60)
@@ -314,7 +253,7 @@ class _Soak:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             before = _sum(await self.metrics_text(session), "specgate_requests_total")
-            self.t0 = time.monotonic()
+            self.t0, self.wall0 = time.monotonic(), time.time()
             sampler = asyncio.create_task(self.sampler(session))
             faults = asyncio.create_task(self.faults(session)) if self.cfg.faults else None
             clients = [asyncio.create_task(self.client(session)) for _ in range(self.cfg.streams)]
@@ -340,6 +279,9 @@ class _Soak:
         rss, fds = _proc_numbers(self.gw_pid)
         t = round(time.monotonic() - self.t0, 1)
         self.report.samples.append(Sample(t, rss, fds, self.report.final_in_flight, 0.0, 0.0))
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):  # not read: check() says so
+                read_gateway_log(self.log_path, self.report, self.wall0)
         self.report.check()
         return self.report
 
@@ -399,13 +341,17 @@ def run_soak(cfg: SoakConfig) -> Report:
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
             port = free_port()
             cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
-            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
+            # info: the access log (one line per request) is the gateway's side of the per-request check
+            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "info", "--admin-port", "0"]
             if redis is not None:
                 cmd += ["--redis-url", redis.url]
-            gw = subprocess.Popen(cmd)
+            log_path = Path(tmp) / "gateway.log"
+            with log_path.open("wb") as log:
+                gw = subprocess.Popen(cmd, stderr=log)
             wait_for_port(port, timeout_s=60)  # a busy machine starts a Python process slowly
             soak = _Soak(cfg, f"http://127.0.0.1:{port}", gw.pid, stand_ins, redis)
             soak.procs = procs
+            soak.log_path = log_path
             soak.model = rules["pools"][0]["models"][0]
             return asyncio.run(soak.run())
     finally:

@@ -277,7 +277,8 @@ def bench_controller_cmd(
 ) -> None:
     """The controllers under a load step: simulated pools, the gateway, an open-loop mix; transitions,
     per-class acceptance, shed requests and the recovery after the step."""
-    from gateway.bench.controller import bench_controller, parse_phases, render
+    from gateway.bench.controller import bench_controller, parse_phases
+    from gateway.bench.controller_report import render
 
     try:
         run, spec_pools = bench_controller(
@@ -327,7 +328,8 @@ def bench_soak_cmd(
     """Many concurrent streams with faults on a schedule: RSS, fds, in-flight gauges and outcomes over time; exit 1
     when a request was not counted exactly once, a gauge is not back to 0, RSS grew, or a busy endpoint was
     ejected."""
-    from gateway.bench.soak import SoakConfig, run_soak
+    from gateway.bench.soak import run_soak
+    from gateway.bench.soak_checks import SoakConfig
 
     if streams < 1 or duration <= 0 or not 0 <= stall_share <= 1:
         raise _fail("--streams must be >= 1, --duration > 0, --stall-share between 0 and 1")

@@ -223,7 +223,7 @@ class _Conn(asyncio.Protocol):
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.response: H1Response | None = None
         self.lost = False
         self.keep_alive = False
@@ -265,10 +265,11 @@ class _Conn(asyncio.Protocol):
         self._feed(r, data)
 
     def _feed(self, r: H1Response, data: bytes) -> None:
-        if r._exc is not None or not data:
+        parser = self.parser
+        if r._exc is not None or not data or parser is None:
             return
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except Exception as exc:  # httptools.HttpParserError, or an error raised in a callback below
             inner = exc.__cause__ or exc.__context__  # httptools wraps what a callback raised
             cause = inner if isinstance(inner, ConnectionBroken) else None
@@ -281,6 +282,10 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool.forget(self)
+        # The parser holds this object's callbacks and the transport holds it as its protocol: let go of both, so a
+        # closed connection is freed at once (not left for the cyclic GC, a thousand at a time when a pool restarts).
+        self.parser = None
+        self.transport = None
         r = self.response
         if r is None or r._eof:
             return
@@ -307,6 +312,7 @@ class _Conn(asyncio.Protocol):
         r = self.response
         assert r is not None
         self._in_head = False
+        assert self.parser is not None  # callbacks run only inside feed_data
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: the real response follows
             self._interim = True
@@ -338,7 +344,7 @@ class _Conn(asyncio.Protocol):
             self._interim = False
             self._messages = 0
             return
-        self.keep_alive = self.parser.should_keep_alive()
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
         self.idle_since = time.monotonic()
         self.response._end()
 

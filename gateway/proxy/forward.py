@@ -198,6 +198,7 @@ class ProxyExchange:
             start.cancel()
             if self._watcher is not None:
                 self._watcher.cancel()
+                self._watcher = None  # the task's frame holds this exchange: no cycle left for the GC to find
             if self._detached and self.job.detached is not None:
                 self._detached = False
                 self.job.detached.release(self.job.tenant)
@@ -334,7 +335,8 @@ class ProxyExchange:
                 status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
                 rec.attempt(pool.name, ep.id, started, status, exc.message)
                 metrics.attempt_done(pool.name, result)
-                failures.append(AttemptFailure(pool.name, ep.id, exc, result))
+                # Kept without its traceback: that holds this frame, which holds the failure (a cycle per request)
+                failures.append(AttemptFailure(pool.name, ep.id, exc.with_traceback(None), result))
                 policy.failed(ep, exc, self.pools.values(), result)
                 if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
                     metrics.limit_refused(exc.limit)

@@ -313,6 +313,7 @@ class KeyClaim:
         self._settled = True
         if self._renewal is not None:
             self._renewal.cancel()
+            self._renewal = None  # the cancelled task's frame holds this claim: no cycle left for the GC to find
         result: Result = "released" if stored is None else "too_large" if self.recorder.overflow else "stored"
         blob = None if stored is None else stored.encode()
         # A generated response must not be lost to a store blip: once the lease ran out, a repeat would generate a

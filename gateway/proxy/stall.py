@@ -95,6 +95,17 @@ class StallWatch:
         self._on_stall(timeout)
 
     def done(self) -> None:
+        """Stop checking, and drop the callbacks (they hold the response: a cycle the GC would have to find)."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        self._on_stall = _never
+        self._timeout = _no_timeout
+
+
+def _never(timeout: float) -> None:
+    """The stall callback once a response is done."""
+
+
+def _no_timeout() -> float:
+    return float("inf")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 BATCH = 2  # --max-num-seqs of each simulated server
 DEADLINE_S = 1.0  # the class's first-token deadline
-LOAD_S = 8.0
+LOAD_S = 20.0  # seconds of offered load, through the gateway and then straight to the simulators
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.9, "stream": True}
 
 

@@ -7,7 +7,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.bench.controller import Change, Phase, Result, Run, parse_phases, render, scaled_rules
+from gateway.bench.controller import (
+    Change,
+    GatewayLoad,
+    Phase,
+    Result,
+    Run,
+    error_code,
+    is_shed,
+    parse_phases,
+    scaled_rules,
+)
+from gateway.bench.controller_report import recovery_rows, render, step_summary
 from gateway.config.schema import RoutingRules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,3 +65,44 @@ def test_render_reports_transitions_and_per_phase_acceptance() -> None:
     high = next(line for line in text.splitlines() if "high" in line and "precise" in line)
     assert "50%" in high  # one of two answers from the speculative pool
     assert "0.300" in high  # (130 - 70) / (300 - 100)
+
+
+def test_recovery_counts_the_later_phases_by_when_each_request_was_due() -> None:
+    run = Run([Phase("low", 1, 10), Phase("high", 5, 10), Phase("low-2", 1, 10)])
+    run.results = [
+        # a request of the step that a lagging generator only sent after it: not the later phase's
+        Result(21.0, "code", "high", 503, 0.01, shed=True, due_at=19.0, code="overloaded"),
+        Result(21.5, "code", "low-2", 200, 0.2, due_at=21.0),  # sent half a second late
+        Result(22.0, "code", "low-2", 503, 0.01, due_at=22.0, code="upstream_timeout"),  # an error, not shed
+        Result(26.0, "code", "low-2", 200, 0.1, due_at=26.0),
+    ]
+    run.load = [GatewayLoad(20.5, 7.0, 12.0, 2.0), GatewayLoad(24.0, 3.0, 12.0, 2.0), GatewayLoad(26.0, 1.0, 6.0, 1.0)]
+    rows = recovery_rows(run)
+    assert [(r["from"], r["requests"], r["shed"], r["errors"]) for r in rows] == [(0, 2, 0, 1), (5, 1, 0, 0)]
+    assert rows[0]["late_p95"] == pytest.approx(0.5)
+    assert (rows[0]["in_flight"], rows[0]["limit"]) == (7.0, 12.0)  # the most in flight, the smallest bound
+    assert (rows[1]["in_flight"], rows[1]["limit"]) == (1.0, 6.0)
+
+
+def test_only_admission_controls_answer_counts_as_shed() -> None:
+    assert is_shed(503, True, "overloaded")
+    assert is_shed(429, True, "")
+    assert not is_shed(503, True, "upstream_timeout")  # a refusal after failures is an error
+    assert not is_shed(503, False, "overloaded")
+    assert error_code(b'{"error": {"code": "overloaded", "message": "full"}}') == "overloaded"
+    assert error_code(b"not json") == ""
+    assert error_code(b'{"error": "flat"}') == ""
+
+
+def test_the_step_summary_compares_the_admitted_with_the_unloaded() -> None:
+    run = Run([Phase("low", 1, 10), Phase("high", 5, 10), Phase("low-2", 1, 10)])
+    run.results = [
+        Result(1.0, "code", "low", 200, 0.1),
+        Result(11.0, "code", "high", 200, 0.3),
+        Result(12.0, "code", "high", 503, 0.01, shed=True, code="overloaded"),
+        Result(13.0, "code", "high", 503, 0.02, shed=True, code="overloaded"),
+    ]
+    text = step_summary(run)
+    assert "p95 0.100 s" in text
+    assert "admitted p95 0.300 s (3.0x unloaded)" in text
+    assert "shed 2 of 3 (67%) answered in p95 0.020 s" in text
