@@ -76,10 +76,12 @@ def closed_port_url() -> str:
 
 
 def rules_for(spec_urls: list[str], std_urls: list[str], **overrides: Any) -> dict[str, Any]:
-    """A small routing config: a speculative home for low-temperature code/structured work, standard otherwise."""
+    """A small routing config: a speculative home for low-temperature code/structured work, standard otherwise.
+    Static routes (``defaults.controller: null``): a test that asserts where a request went must not depend on the
+    built-in balancing controller's draws (it has tests of its own); a test that wants controllers gives them."""
     rules: dict[str, Any] = {
         "version": 1,
-        "defaults": {"temperature": 1.0, "max_attempts": 2},
+        "defaults": {"temperature": 1.0, "max_attempts": 2, "controller": None},
         "pools": [
             {
                 "name": "spec",
