@@ -5,6 +5,7 @@ observations (``windowed``). Pure data and arithmetic; ``gateway.routing.route_s
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -23,7 +24,7 @@ class RouteChoice:
     forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
     why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
     pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
-    speeds: tuple[tuple[str, float], ...] = ()  # (pool, the class's seconds per output token there), last round
+    speeds: Mapping[str, float] | None = None  # pool → the class's seconds per output token there, last round
 
 
 Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]
@@ -54,7 +55,7 @@ class ClassTrack:
     seen_acceptance: float | None = None
     probe: float = 0.0  # the probe share in force (set each round)
     estimates: tuple[Estimate | None, Estimate | None] = (None, None)  # (speculative, standard) of the last round
-    speeds: tuple[tuple[str, float], ...] = ()  # (pool, class_tpot_s) of those estimates, for RouteChoice
+    speeds: Mapping[str, float] | None = None  # pool → class_tpot_s of those estimates (built once a round)
     requests: int = 0  # cumulative, bumped per routed request
     start_requests: int = 0  # ``requests`` when this controller was made
     # the class's requests (cluster-wide) when its share last changed: a sparse class gathers min_samples over

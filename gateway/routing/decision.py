@@ -89,7 +89,7 @@ def decide(
         forced=choice is not None and choice.forced,
         candidates=None if choice is None or not choice.pools else dict(choice.pools),
         probe=choice is not None and choice.why == "probe",
-        speeds=None if choice is None else dict(choice.speeds),
+        speeds=None if choice is None else choice.speeds,
     )
     return Decision(
         c.traffic_class.name,

@@ -349,7 +349,7 @@ class RoutingState:
         p95_s: float | None,
     ) -> Observation:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
-            c.estimates, c.speeds = (None, None), ()
+            c.estimates, c.speeds = (None, None), None
             return Observation(
                 samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
             )
@@ -367,7 +367,8 @@ class RoutingState:
         )  # fmt: skip
         std_est = estimate(std, "standard", std_tpot, output_tokens=out)
         c.estimates = (spec_est, std_est)
-        c.speeds = tuple((e.pool, e.class_tpot_s) for e in c.estimates if e is not None)
+        # built once a round and shared by every choice until the next
+        c.speeds = {e.pool: e.class_tpot_s for e in c.estimates if e is not None}
         n = spec.fresh_endpoints
         return Observation(
             samples=samples,

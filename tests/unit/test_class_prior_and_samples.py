@@ -153,10 +153,11 @@ def test_a_class_without_requests_never_moves() -> None:
 
 def test_a_choice_carries_the_class_speeds_of_the_last_round_for_the_saturation_spill() -> None:
     rs = state(rules())
-    assert rs.choose("chat", random.Random(1)).speeds == ()  # type: ignore[union-attr]  # nothing measured yet
+    assert rs.choose("chat", random.Random(1)).speeds is None  # type: ignore[union-attr]  # nothing measured yet
     rs.on_scrape_round(1.0, VIEWS)
     choice = rs.choose("chat", random.Random(1))
     assert choice is not None
+    assert choice.speeds is not None
     speeds = dict(choice.speeds)
     est = rs.snapshot()["chat"]["estimates"]
     assert speeds == {"spec": est["spec"]["class_tpot_s"], "std": est["std"]["class_tpot_s"]}
