@@ -10,15 +10,8 @@ from gateway.config.schema import RoutingRules
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.plan import PoolView, plan_route
 from gateway.routing.route_state import RoutingState
+from tests.unit.test_routing_both_ways import SPEC, STD
 
-SPEC = {
-    "name": "spec",
-    "kind": "speculative",
-    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
-    "models": ["m"],
-    "endpoints": [{"url": "http://spec:8000"}],
-}
-STD = {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]}
 VIEWS = {
     "spec": PoolView("spec", "speculative", frozenset({"m"}), 1, 0),
     "std": PoolView("std", "standard", frozenset({"m"}), 1, 0),

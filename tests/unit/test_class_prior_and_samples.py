@@ -13,15 +13,8 @@ from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.estimate import per_token_acceptance, prior_rate, rate_from_per_token
 from gateway.routing.route_state import RoutingState
+from tests.unit.test_routing_both_ways import SPEC, STD
 
-SPEC = {
-    "name": "spec",
-    "kind": "speculative",
-    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
-    "models": ["m"],
-    "endpoints": [{"url": "http://spec:8000"}],
-}
-STD = {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]}
 CTL = {"window_s": 1, "min_samples": 5, "min_hold_s": 0, "share_step": 0.5, "probe_share": 0}
 
 

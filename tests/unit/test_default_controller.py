@@ -16,15 +16,8 @@ from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.route_state import RoutingState
+from tests.unit.test_routing_both_ways import SPEC, STD
 
-SPEC = {
-    "name": "spec",
-    "kind": "speculative",
-    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
-    "models": ["m"],
-    "endpoints": [{"url": "http://spec:8000"}],
-}
-STD = {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]}
 STD2 = {"name": "std2", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std2:8000"}]}
 OMIT: Any = object()  # no defaults.controller key at all
 CLASSES = [
