@@ -5,7 +5,8 @@
 - ``plan``: class + live pool views → an ordered attempt ``Plan`` (``plan_route``).
 - ``decision``: the two together for one request (``decide``), shared by the proxy and explain.
 - ``controller`` / ``route_state``: per-class controllers (hysteresis, hold, guard) and their state for all classes;
-  ``class_track``: what the state keeps per class (window counts, the class's seen temperatures) and hands out;
+  ``class_track``: what the state keeps per class (window counts, the class's seen temperatures), its metrics, and
+  what it hands out;
   ``estimate``: a class's expected completion time on a pool.
 - ``attempts``: the attempt policy: which failures are retryable, the retry budget, outlier ejection.
 """

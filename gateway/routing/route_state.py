@@ -54,12 +54,12 @@ from dataclasses import asdict
 from typing import Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
-from gateway.routing.class_track import ClassTrack, Why, windowed
+from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
@@ -110,40 +110,9 @@ class RoutingState:
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
         # process's own in each round (a cluster's leader decides on the whole cluster's samples).
         self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
-        self.transitions = Counter(
-            "specgate_controller_transitions_total",
-            "Route-state changes of a traffic class's controller, by reason.",
-            ["class", "from", "to", "reason"],
-            registry=registry,
-        )
-        # Every worker runs its own controllers: the merge shows 1 for a state while any live worker has it.
-        self.route_state = Gauge(
-            "specgate_class_route_state",
-            "1 for the traffic class's current route state (speculative, split or standard), 0 for the others.",
-            ["class", "state"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.share = Gauge(
-            "specgate_class_speculative_share",
-            "Share of the traffic class's requests the controller sends to the speculative pool first.",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.probes = Counter(
-            "specgate_controller_probes_total",
-            "Requests a class controller sent to the speculative pool to measure the class's acceptance (probes).",
-            ["class"],
-            registry=registry,
-        )
-        self.probe_share = Gauge(
-            "specgate_class_probe_share",
-            "Share of the traffic class's requests sent to the speculative pool as probes (0: not probing).",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
+        m = RouteMetrics(registry)
+        self.transitions, self.route_state, self.share = m.transitions, m.route_state, m.share
+        self.probes, self.probe_share = m.probes, m.probe_share
         self._sync(clock())
 
     # -- the hot path ----------------------------------------------------------------------------------------
