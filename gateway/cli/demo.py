@@ -13,9 +13,10 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Collection, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                 wait_for_port(s.port)
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(stand_in_rules(rules, ports), sort_keys=False))
-            admin_port = port + 1 if port < 65535 else port - 1
+            admin_port = admin_port_for(port, taken=set(ports.values()))
             token, generated = demo_admin_token(os.environ)
             print(banner(rules, ports, port, admin_port, token if generated else None), flush=True)
             settings = Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0, admin_port=admin_port)
@@ -70,6 +71,21 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
             for proc in procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
+
+
+def admin_port_for(port: int, taken: Collection[int] = ()) -> int:
+    """The demo's admin port: the one after the gateway's when nothing holds it (easy to remember), else any free
+    one: a simulated server or another program on port + 1 must not stop the demo from starting."""
+    nxt = port + 1 if port < 65535 else port - 1
+    if nxt not in taken:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", nxt))
+            except OSError:
+                pass
+            else:
+                return nxt
+    return free_port()
 
 
 def banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int, new_token: str | None) -> str:
