@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from gateway.bench.interval import LEVEL, ratio_interval
 from gateway.bench.mix import Mix, Target
 from gateway.bench.points import FIRST_WARMUP, LABELS, POLICY_FILES, Point, Setup
 
@@ -131,6 +132,38 @@ def target_check(points: list[Point], target: Target | None = None) -> list[str]
     return lines
 
 
+def ratio_table(points: list[Point], target: Target | None = None) -> list[str]:
+    """Adaptive p99 E2E over the best homogeneous fleet's at each load, with its bootstrap interval: where the
+    interval straddles the target's limit, this measurement does not settle the verdict."""
+    target = target or Target()
+    by = {(p.policy, p.load): p for p in points}
+    homo = [h for h in ("standard", "speculative") if any(p.policy == h for p in points)]
+    loads = sorted({p.load for p in points if p.policy == "adaptive"})
+    if not homo or not loads or not all(by[("adaptive", x)].e2e_s for x in loads):
+        return []
+    lines = [
+        f"## adaptive p99 E2E against the best homogeneous fleet ({LEVEL:.0%} bootstrap interval)",
+        "",
+        "| offered load | best homogeneous | its p99 (s) | adaptive p99 (s) | ratio | interval | settled? |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for load in loads:
+        a = by[("adaptive", load)]
+        base = [by[(h, load)] for h in homo if (h, load) in by]
+        best = min(base, key=lambda p: p.summary.e2e[2])
+        ratio = a.summary.e2e[2] / best.summary.e2e[2]
+        lo, hi = ratio_interval(a.e2e_s, [b.e2e_s for b in base], seed=round(load * 1000))
+        limits = [target.within] + ([1.0 - target.below_by] if any(abs(load - x) < 1e-9 for x in target.below_at)
+                                    and target.below_by > 0 else [])  # fmt: skip
+        open_ = [f"x{x:.2f}" for x in limits if lo <= x <= hi]
+        settled = "yes" if not open_ else "no: the interval holds " + ", ".join(open_)
+        lines.append(
+            f"| {load:.0%} | {LABELS[best.policy]} | {best.summary.e2e[2]:.2f} | {a.summary.e2e[2]:.2f} | "
+            f"{ratio:.2f} | {lo:.2f}-{hi:.2f} | {settled} |"
+        )
+    return [*lines, ""]
+
+
 def render_report(
     points: list[Point],
     mix: Mix,
@@ -175,6 +208,7 @@ def render_report(
         "",
         *target_check(points, mix.target),
         "",
+        *ratio_table(points, mix.target),
     ]
     for _key, label, get in METRICS:
         parts += [f"## {label}", "", table(points, get, 1 if "ms" in label else 2), ""]

@@ -64,3 +64,4 @@ class Point:
     per_class: tuple[Summary, ...]
     wall_s: float
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point
+    e2e_s: tuple[float, ...] = ()  # every answered request's E2E (simulated seconds): the p99's interval

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import random
 import subprocess
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -259,7 +261,8 @@ def run_policy(
                 cpu = meter.stop()
                 wall = time.monotonic() - start
                 sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
-                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu))
+                e2e = tuple(r.e2e_s for r in results if r.ok)
+                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e))
                 s = sims[-1]
                 log(
                     f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
@@ -294,6 +297,38 @@ def planned_seconds(n_policies: int, n_loads: int, setup: Setup) -> float:
     return n_policies * (8.0 + warmups + n_loads * (4.0 + setup.repeats * (setup.duration_s + 4.0)))
 
 
+def _printed(line: str) -> None:
+    print(line, flush=True)
+
+
+def _policy_job(
+    policy: str, rules: dict[str, Any], mix: Mix, loads: list[float], capacity: float, setup: Setup, jsonl: Path
+) -> list[Point]:
+    """One policy's runs in a process of its own (``jobs`` > 1): its servers, gateway and load generator."""
+    return run_policy(policy, rules, mix, loads, capacity, setup, jsonl=jsonl, log=_printed)
+
+
+def _run_parallel(
+    policies: tuple[str, ...], rules: dict[str, dict[str, Any]], mix: Mix, loads: list[float], capacity: float,
+    setup: Setup, jsonl: Path, jobs: int,
+) -> list[Point]:  # fmt: skip
+    """Policies side by side, each in its own process with its own servers (they share nothing but the CPUs: the
+    report's harness-CPU section says whether those kept up). Each writes its own JSONL, joined in policy order."""
+    parts = {p: jsonl.with_name(f"{jsonl.stem}-{p}.jsonl") for p in policies}
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(policies)), mp_context=ctx) as pool:
+        futures = [
+            pool.submit(_policy_job, p, rules[p], mix, loads, capacity, setup, parts[p]) for p in policies
+        ]  # fmt: skip
+        points = [pt for f in futures for pt in f.result()]
+    with jsonl.open("a") as out:
+        for p in policies:
+            if parts[p].exists():
+                out.write(parts[p].read_text())
+                parts[p].unlink()
+    return points
+
+
 def bench_policies(
     mix: Mix,
     loads: list[float],
@@ -303,8 +338,10 @@ def bench_policies(
     policies: tuple[str, ...] = POLICIES,
     root: Path = Path("."),
     log: Callable[[str], None] = print,
+    jobs: int = 1,
 ) -> list[Point]:
-    """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``."""
+    """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``.
+    ``jobs`` > 1 runs that many policies at once, each in a process of its own."""
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -323,13 +360,16 @@ def bench_policies(
     )
     points: list[Point] = []
     before = os.getloadavg()[0]
-    for policy in policies:
-        rules = policy_rules(policy, adaptive, root)
-        points += run_policy(policy, rules, mix, loads, capacity, setup, jsonl=jsonl, log=log)
+    rules = {policy: policy_rules(policy, adaptive, root) for policy in policies}
+    if jobs > 1 and len(policies) > 1:
+        points = _run_parallel(policies, rules, mix, loads, capacity, setup, jsonl, jobs)
+    else:
+        for policy in policies:
+            points += run_policy(policy, rules[policy], mix, loads, capacity, setup, jsonl=jsonl, log=log)
     machine = (
         f"{os.cpu_count()} cores, load average {before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         "(the harness-CPU section shows what the bench's own processes used; the load average also counts what "
-        "else ran)"
+        "else ran)" + (f"; {min(jobs, len(policies))} policies ran at once" if jobs > 1 and len(policies) > 1 else "")
     )
     write_report(points, mix, setup, how, out_dir, policies, log, machine)
     return points

@@ -522,6 +522,7 @@ def bench_policies_cmd(
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md, the plots, results.jsonl.")] = Path(
         "bench-results/policies"
     ),
+    jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
 ) -> None:
     """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive) on simulated pools
     across offered loads: report.md, PNG plots, raw JSONL."""
@@ -550,7 +551,7 @@ def bench_policies_cmd(
         )
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         names = tuple(p.strip() for p in policies.split(",") if p.strip())
-        bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print)
+        bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"report: {out_dir / 'report.md'}", highlight=False)
