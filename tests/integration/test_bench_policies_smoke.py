@@ -42,6 +42,24 @@ def test_tiny_policy_sweep_writes_report_plots_and_jsonl(tmp_path: Path) -> None
     assert all(r["ttft_s"] is not None and r["completion_tokens"] > 0 for r in streamed)
 
 
+def test_policies_side_by_side_give_the_same_report_and_one_jsonl(tmp_path: Path) -> None:
+    mix = load_mix("default", ROOT / "bench" / "mixes")
+    setup = Setup(time_scale=0.5, duration_s=1.5, output_median=40.0, repeats=1, warmup_s=0.5, min_requests=0)
+    points = bench_policies(
+        mix, [0.3], setup, tmp_path, policies=("standard", "adaptive"), root=ROOT, log=lambda _: None, jobs=2
+    )
+    assert [p.policy for p in points] == ["standard", "adaptive"]  # in the order asked, whichever finished first
+    assert all(p.e2e_s and len(p.e2e_s) == p.summary.requests - p.summary.errors for p in points)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in rows] == sorted((r["policy"] for r in rows), key=("standard", "adaptive").index)
+    assert len(rows) == sum(p.summary.requests for p in points)
+    assert sorted(tmp_path.glob("results*.jsonl")) == [tmp_path / "results.jsonl"]  # the parts are joined, gone
+    report = (tmp_path / "report.md").read_text()
+    assert "2 policies ran at once" in report
+    assert "bootstrap interval" in report
+    assert "| 30% | 2x standard |" in report
+
+
 def test_low_loads_get_more_runs_until_the_minimum_request_count() -> None:
     from gateway.bench.policies import runs_for
 
