@@ -1,7 +1,8 @@
 """The vLLM endpoints behind the gateway: their state, the client that talks to them, and what they report.
 
 - ``pools``: ``PoolState`` / ``EndpointState``: weights, health, ejection, in-flight counts, the endpoint pick.
-- ``h1client``: a lean HTTP/1.1 client (asyncio + httptools) with keep-alive pools and bounded reads;
+- ``h1client``: a lean HTTP/1.1 client (asyncio + httptools) with keep-alive pools and bounded reads
+  (``h1response``: its response, body decoding and limits, and its errors);
   ``upstream``: one per pool (``PoolClient``), its failures mapped onto the gateway's errors.
 - ``health``: active ``GET /health`` checks; ``scraper``: the ``/metrics`` scrape loop;
   ``vllm_metrics``: vLLM's Prometheus text → endpoint and pool load (pure).

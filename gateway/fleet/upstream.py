@@ -5,7 +5,7 @@ Why not httpx's default transport: on this class of machine its connection pool 
 req/s at 32 connections through a minimal pass-through proxy, against 5k+ on aiohttp's). Why not aiohttp's client,
 which does not collapse: it was still a third of the gateway's CPU per request (``gateway.fleet.h1client`` says
 where). The proxy needs only POST with a body of known length and the response as bytes; everything above this
-module sees plain bytes, statuses and our own errors. The client fails with ``OSError`` (``h1client.ConnectionBroken``,
+module sees plain bytes, statuses and our own errors. The client fails with ``OSError`` (``ConnectionBroken``,
 ``ConnectFailed``) or ``TimeoutError``, nothing else.
 """
 
@@ -25,12 +25,13 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from gateway.fleet.h1client import ConnectFailed, HostPool, PoolExhausted, ResponseTooLarge
+from gateway.fleet.h1client import HostPool
+from gateway.fleet.h1response import ConnectFailed, PoolExhausted, ResponseTooLarge
 from gateway.fleet.pools import EndpointState
 
 
 class RawResponse(Protocol):
-    """What the gateway reads of a pool's response (``gateway.fleet.h1client.H1Response``; test doubles)."""
+    """What the gateway reads of a pool's response (``gateway.fleet.h1response.H1Response``; test doubles)."""
 
     @property
     def headers(self) -> Mapping[str, str]: ...  # lower-case names

@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 from gateway.config.schema import Defaults, OutlierDetection, Pool
 from gateway.config.schema import RetryBudget as RetryBudgetSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
-from gateway.fleet.h1client import ConnectionBroken
+from gateway.fleet.h1response import ConnectionBroken
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse
 from gateway.observability.logs import AccessLog

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.fleet.h1client import ConnectFailed, ConnectionBroken, HostPool
+from gateway.fleet.h1client import HostPool
+from gateway.fleet.h1response import ConnectFailed, ConnectionBroken
 
 Handler = Callable[["Seen", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -245,7 +246,7 @@ async def test_connect_failures() -> None:
 
 async def test_the_connection_limit_waits_then_gives_up() -> None:
     async with server(await serve_forever(fixed(b"{}"))) as (url, seen):
-        p = pool(url, limit=1, acquire_s=0.2)
+        p = pool(url, limit=1, acquire_s=1.5)  # long enough for a starved machine to hand the connection over
         r = await p.request("/x", b"{}", {})  # holds the only connection (not released)
         with pytest.raises(ConnectFailed, match="no free connection"):
             await p.request("/x", b"{}", {})

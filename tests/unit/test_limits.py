@@ -111,7 +111,7 @@ def test_h1client_decoder_never_outputs_past_the_cap() -> None:
     import asyncio
     import gzip
 
-    from gateway.fleet.h1client import H1Response, ResponseTooLarge
+    from gateway.fleet.h1response import H1Response, ResponseTooLarge
 
     class Pool:
         max_body_bytes = 1 << 20
