@@ -65,3 +65,4 @@ class Point:
     wall_s: float
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point
     e2e_s: tuple[float, ...] = ()  # every answered request's E2E (simulated seconds): the p99's interval
+    lag: float = float("nan")  # the worst server's late-step time, as a share of the point's simulated time

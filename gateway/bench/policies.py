@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -225,6 +226,7 @@ def run_policy(
             wait_for_port(gw_port, 30.0)
             url = f"http://127.0.0.1:{gw_port}"
             sim_pids = [p.pid for p in procs[:-1]]
+            sim_ports = [port for plist in ports.values() for port in plist]
             servers = {f"server {i}": pid for i, pid in enumerate(sim_pids)}
             meter = CpuMeter({"load generator": None, "gateway": procs[-1].pid, **servers})
             for i, load in enumerate(loads):
@@ -240,6 +242,7 @@ def run_policy(
                     )
                     asyncio.run(run_load(url, mix, warm, model=model, seed=setup.seed + 600 + i,
                                          time_scale=setup.time_scale))  # fmt: skip
+                lag_before = sim_clocks(sim_ports)
                 meter.start()
                 results: list[Result] = []
                 repeats = runs_for(rate, setup)
@@ -259,10 +262,11 @@ def run_policy(
                         meta = {"policy": policy, "load": load, "rate_rps": rate, "repeat": r}
                         write_jsonl(jsonl, run, meta, append=True)
                 cpu = meter.stop()
+                lag = clock_lag(lag_before, sim_clocks(sim_ports))
                 wall = time.monotonic() - start
                 sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
                 e2e = tuple(r.e2e_s for r in results if r.ok)
-                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e))
+                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e, lag))
                 s = sims[-1]
                 log(
                     f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
@@ -272,6 +276,32 @@ def run_policy(
     finally:
         _stop(procs)
     return points
+
+
+def sim_clocks(ports: list[int]) -> list[tuple[float, float] | None]:
+    """Each simulated server's (late-step seconds, simulated seconds) from its ``/sim/stats``; None where it did not
+    answer. A step that starts after the previous one ended (the machine did not run the server in time) adds to
+    the first: that time shows in every request of the step as latency that a real GPU would not have added."""
+    out: list[tuple[float, float] | None] = []
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/stats", timeout=5) as resp:
+                stats = json.loads(resp.read())
+            engine = stats["engine"]
+            out.append((float(engine["lag_s"]), float(engine["sim_time_s"])))
+        except (OSError, ValueError, KeyError):
+            out.append(None)
+    return out
+
+
+def clock_lag(before: list[tuple[float, float] | None], after: list[tuple[float, float] | None]) -> float:
+    """The worst server's late-step time over a point, as a share of the point's simulated time (NaN: unknown)."""
+    shares = [
+        (a[0] - b[0]) / (a[1] - b[1])
+        for b, a in zip(before, after, strict=True)
+        if a is not None and b is not None and a[1] > b[1]
+    ]
+    return max(shares) if shares else math.nan
 
 
 def runs_for(rate: float, setup: Setup) -> int:

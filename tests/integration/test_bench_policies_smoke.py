@@ -50,12 +50,14 @@ def test_policies_side_by_side_give_the_same_report_and_one_jsonl(tmp_path: Path
     )
     assert [p.policy for p in points] == ["standard", "adaptive"]  # in the order asked, whichever finished first
     assert all(p.e2e_s and len(p.e2e_s) == p.summary.requests - p.summary.errors for p in points)
+    assert all(0.0 <= p.lag < 1.0 for p in points)  # every server's /sim/stats was read before and after
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["policy"] for r in rows] == sorted((r["policy"] for r in rows), key=("standard", "adaptive").index)
     assert len(rows) == sum(p.summary.requests for p in points)
     assert sorted(tmp_path.glob("results*.jsonl")) == [tmp_path / "results.jsonl"]  # the parts are joined, gone
     report = (tmp_path / "report.md").read_text()
     assert "2 policies ran at once" in report
+    assert "late steps of the worst server" in report
     assert "bootstrap interval" in report
     assert "| 30% | 2x standard |" in report
 

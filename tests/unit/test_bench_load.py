@@ -273,6 +273,21 @@ def test_the_report_says_whether_the_harness_was_the_bottleneck() -> None:
     assert "may have been the bottleneck" in text
     assert "adaptive at 110% (gateway 0.95)" in text
     assert "not measured" in "\n".join(harness_cpu([Point("standard", 0.5, 1.0, s, (), 1.0)]))
+    cpu = {"gateway": 0.2}
+    kept = [Point("standard", 0.5, 1.0, s, (), 1.0, cpu, lag=0.004), Point("adaptive", 0.5, 1.0, s, (), 1.0, cpu)]
+    assert "kept their clocks: steps that started late add at most 0.4%" in "\n".join(harness_cpu(kept))
+    late = [Point("standard", 0.5, 1.0, s, (), 1.0, cpu, lag=0.07)]
+    assert "**the simulated servers ran late** by up to 7.0%" in "\n".join(harness_cpu(late))
+
+
+def test_a_points_clock_lag_is_its_worst_servers_share_of_late_steps() -> None:
+    from gateway.bench.policies import clock_lag, sim_clocks
+
+    before = [(1.0, 100.0), (0.0, 100.0), None]
+    after = [(1.5, 150.0), (2.0, 150.0), (0.0, 10.0)]
+    assert clock_lag(before, after) == pytest.approx(0.04)  # the second server: 2 s late in 50 s
+    assert clock_lag([None], [None]) != clock_lag([None], [None])  # NaN: nothing read
+    assert sim_clocks([1]) == [None]  # nothing listens on port 1
 
 
 def test_responses_mix_plans_responses_api_bodies() -> None:
