@@ -114,7 +114,8 @@ def _completion_table(data: dict[str, Any]) -> Table | None:
     if not est:
         return None
     t = Table(
-        title="expected completion time of this class (last scrape round; – unknown)",
+        title="this class on each pool (last scrape round; – unknown): cost = its expected time + what it adds to "
+        "the requests running there",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -122,7 +123,9 @@ def _completion_table(data: dict[str, Any]) -> Table | None:
     for col in (
         "pool",
         "kind",
+        "cost",
         "expected",
+        "impact",
         "queue",
         "1st step",
         "decode",
@@ -137,7 +140,9 @@ def _completion_table(data: dict[str, Any]) -> Table | None:
         t.add_row(
             escape(name),
             escape(str(e.get("kind"))),
+            cell(e.get("cost_s", e.get("expected_s")), " s", digits=3),
             cell(e.get("expected_s"), " s", digits=3),
+            cell(e.get("impact_s"), " s", digits=3),
             cell(e.get("queue_s"), " s", digits=3),
             cell(e.get("first_token_s"), " s", digits=3),
             cell(e.get("decode_s"), " s", digits=3),

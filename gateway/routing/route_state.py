@@ -65,6 +65,7 @@ from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exporte
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
+    BatchSlope,
     estimate,
     per_token_acceptance,
     prior_rate,
@@ -101,6 +102,7 @@ class RoutingState:
         self._on_probe = on_probe
         self._classes: dict[str, ClassTrack] = {}
         self._last_tpot: dict[str, tuple[float, float | None]] = {}  # per pool: last TPOT and its acceptance
+        self._slopes: dict[str, BatchSlope] = {}  # per pool: what one more running request adds to its TPOT
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
@@ -239,6 +241,11 @@ class RoutingState:
         self._sync(now)
         if not self._classes:
             return []
+        for view in views.values():
+            if view.running is not None and view.fresh_endpoints > 0 and view.tpot_mean_s is not None:
+                self._slopes.setdefault(view.pool, BatchSlope()).add(
+                    view.running / view.fresh_endpoints, view.tpot_mean_s
+                )
         drafted, accepted = self._class_draft_counts()
         remote = self.remote_counts()
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
@@ -329,20 +336,23 @@ class RoutingState:
         spec_tpot, pool_rate = spec_m if spec_m is not None else (std_m[0] if std_m else DEFAULT_TPOT_S, None)
         std_tpot = std_m[0] if std_m is not None else (spec_m[0] if spec_m else DEFAULT_TPOT_S)
         rate, source = self._class_rate(c, acceptance)
-        out = c.controller.config.output_tokens
+        cfg = c.controller.config
+        out, weight = cfg.output_tokens, cfg.load_impact
         spec_est = estimate(
             spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
-            pool_rate=pool_rate,
+            pool_rate=pool_rate, slope_s=self._slope(spec.pool), impact_weight=weight,
         )  # fmt: skip
-        std_est = estimate(std, "standard", std_tpot, output_tokens=out)
+        std_est = estimate(
+            std, "standard", std_tpot, output_tokens=out, slope_s=self._slope(std.pool), impact_weight=weight
+        )
         c.estimates = (spec_est, std_est)
         # built once a round and shared by every choice until the next
         c.speeds = {e.pool: e.class_tpot_s for e in c.estimates if e is not None}
         n = spec.fresh_endpoints
         return Observation(
             samples=samples,
-            spec_delay_s=None if spec_est is None else spec_est.expected_s,
-            alt_delay_s=None if std_est is None else std_est.expected_s,
+            spec_delay_s=None if spec_est is None else spec_est.cost_s,
+            alt_delay_s=None if std_est is None else std_est.cost_s,
             spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
             spec_batch=None if spec.running is None or n == 0 else spec.running / n,
             acceptance=acceptance,
@@ -363,6 +373,10 @@ class RoutingState:
         if not c.prior_fixed and c.seen_acceptance is not None:
             c.prior = rate_from_per_token(c.seen_acceptance, c.k)
         return c.prior, "prior"
+
+    def _slope(self, pool: str) -> float | None:
+        track = self._slopes.get(pool)
+        return None if track is None else track.slope_s
 
     def _tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
         """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""
@@ -488,7 +502,9 @@ class RoutingState:
             snap["speculative_pool"], snap["standard_pool"] = c.spec_pool, c.std_pool
             snap["prior_acceptance"] = c.prior
             snap["estimates"] = {
-                e.pool: {**asdict(e), "expected_s": e.expected_s} for e in c.estimates if e is not None
+                e.pool: {**asdict(e), "expected_s": e.expected_s, "cost_s": e.cost_s}
+                for e in c.estimates
+                if e is not None
             }
             out[name] = snap
         return out

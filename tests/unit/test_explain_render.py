@@ -13,7 +13,9 @@ def explained() -> dict[str, Any]:
     est = {
         "spec": {
             "kind": "speculative",
+            "cost_s": 1.534,
             "expected_s": 1.234,
+            "impact_s": 0.3,
             "queue_s": 0.0,
             "first_token_s": 0.012,
             "decode_s": 1.222,
@@ -60,7 +62,11 @@ def test_the_table_gives_each_pools_expected_time_and_inputs_and_the_line_the_dr
     assert [
         "spec",
         "speculative",
+        "1.534",
+        "s",
         "1.234",
+        "s",
+        "0.300",
         "s",
         "0.000",
         "s",
@@ -74,11 +80,14 @@ def test_the_table_gives_each_pools_expected_time_and_inputs_and_the_line_the_dr
         "0.31",
         "(prior)",
     ] in words
-    assert [
+    assert [  # from a gateway that did not report the impact yet: cost = expected time, impact unknown
         "std",
         "standard",
         "5.140",
         "s",
+        "5.140",
+        "s",
+        "–",
         "0.000",
         "s",
         "0.020",
@@ -101,6 +110,6 @@ def test_a_pin_and_a_probe_are_said() -> None:
     assert "pinned to standard pools" in out
     assert "probing speculative at 0.02" in out
     assert "(probe: measuring the class's acceptance)" in out
-    assert "expected completion time of this class" in out
+    assert "cost = its expected time + what it adds" in out
     data["expected_completion"] = None
-    assert "expected completion time of this class" not in text(data)
+    assert "cost = its expected time + what it adds" not in text(data)
