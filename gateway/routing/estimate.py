@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -249,3 +250,35 @@ class Observation:
             p95_s=p95_s,
             stale=spec.stale or alt.stale,
         )
+
+
+class PoolSpeeds:
+    """Per pool, across scrape rounds: its last measured TPOT with the acceptance rate it ran at, and its
+    ``BatchSlope``. Owned by the routing state; one per process."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float | None]] = {}
+        self._slopes: dict[str, BatchSlope] = {}
+
+    def round(self, views: Mapping[str, PoolLoadView]) -> None:
+        """Feed one scrape round's (batch per fresh endpoint, TPOT) of every pool to its slope."""
+        for view in views.values():
+            if view.running is not None and view.fresh_endpoints > 0 and view.tpot_mean_s is not None:
+                self._slopes.setdefault(view.pool, BatchSlope()).add(
+                    view.running / view.fresh_endpoints, view.tpot_mean_s
+                )
+
+    def slope(self, pool: str) -> float | None:
+        track = self._slopes.get(pool)
+        return None if track is None else track.slope_s
+
+    def tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
+        """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""
+        t = view.tpot_mean_s
+        if t is not None and t > 0 and math.isfinite(t):
+            rate = None if view.acceptance is None else view.acceptance.rate
+            if rate is None and view.pool in self._last:
+                rate = self._last[view.pool][1]
+            self._last[view.pool] = (t, rate)
+            return t, rate
+        return self._last.get(view.pool)

@@ -65,7 +65,7 @@ from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exporte
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
-    BatchSlope,
+    PoolSpeeds,
     estimate,
     per_token_acceptance,
     prior_rate,
@@ -101,8 +101,7 @@ class RoutingState:
         self._on_transition = on_transition
         self._on_probe = on_probe
         self._classes: dict[str, ClassTrack] = {}
-        self._last_tpot: dict[str, tuple[float, float | None]] = {}  # per pool: last TPOT and its acceptance
-        self._slopes: dict[str, BatchSlope] = {}  # per pool: what one more running request adds to its TPOT
+        self._speeds = PoolSpeeds()  # per pool: last measured TPOT, and what one more running request adds to it
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
@@ -241,11 +240,7 @@ class RoutingState:
         self._sync(now)
         if not self._classes:
             return []
-        for view in views.values():
-            if view.running is not None and view.fresh_endpoints > 0 and view.tpot_mean_s is not None:
-                self._slopes.setdefault(view.pool, BatchSlope()).add(
-                    view.running / view.fresh_endpoints, view.tpot_mean_s
-                )
+        self._speeds.round(views)
         drafted, accepted = self._class_draft_counts()
         remote = self.remote_counts()
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
@@ -329,7 +324,7 @@ class RoutingState:
             return Observation(
                 samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
             )
-        spec_m, std_m = self._tpot(spec), self._tpot(std)
+        spec_m, std_m = self._speeds.tpot(spec), self._speeds.tpot(std)
         # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
         # was under load), else the other candidate's (not rescaled: its acceptance is not this pool's), else the
         # default.
@@ -340,10 +335,10 @@ class RoutingState:
         out, weight = cfg.output_tokens, cfg.load_impact
         spec_est = estimate(
             spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
-            pool_rate=pool_rate, slope_s=self._slope(spec.pool), impact_weight=weight,
+            pool_rate=pool_rate, slope_s=self._speeds.slope(spec.pool), impact_weight=weight,
         )  # fmt: skip
         std_est = estimate(
-            std, "standard", std_tpot, output_tokens=out, slope_s=self._slope(std.pool), impact_weight=weight
+            std, "standard", std_tpot, output_tokens=out, slope_s=self._speeds.slope(std.pool), impact_weight=weight
         )
         c.estimates = (spec_est, std_est)
         # built once a round and shared by every choice until the next
@@ -373,21 +368,6 @@ class RoutingState:
         if not c.prior_fixed and c.seen_acceptance is not None:
             c.prior = rate_from_per_token(c.seen_acceptance, c.k)
         return c.prior, "prior"
-
-    def _slope(self, pool: str) -> float | None:
-        track = self._slopes.get(pool)
-        return None if track is None else track.slope_s
-
-    def _tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
-        """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""
-        t = view.tpot_mean_s
-        if t is not None and t > 0 and math.isfinite(t):
-            rate = None if view.acceptance is None else view.acceptance.rate
-            if rate is None and view.pool in self._last_tpot:
-                rate = self._last_tpot[view.pool][1]
-            self._last_tpot[view.pool] = (t, rate)
-            return t, rate
-        return self._last_tpot.get(view.pool)
 
     def _class_draft_counts(self) -> tuple[dict[str, float], dict[str, float]]:
         """Cumulative draft and accepted tokens per class, from the gateway's per-class counters (this process)."""
