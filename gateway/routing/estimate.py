@@ -25,7 +25,9 @@ one (measured in the simulated 70B preset: 2.9 ms against 0.6 ms a step per adde
 
     impact_s = r x (output_tokens / 2) x slope     the running requests' remaining tokens, each slowed by slope
 
-``slope`` is the pool's measured seconds per output token added by one more running request (``BatchSlope``).
+``slope`` is the pool's measured seconds per output token added by one more running request: the rise of its step
+time (TPOT x tokens per step, so that a change in the acceptance of its traffic is not taken for one in its batch)
+per added sequence, over the tokens a request gets per step (``BatchSlope``, ``PoolSpeeds``).
 Comparing own times alone is selfish routing: it moves a class onto the speculative pool until the class's own
 times are equal, and the requests already there pay for it (measured on a chat-heavy mix at 30% load: the best
 fixed split sends 12% of the chat there, the own-time balance 42%, p99 +24% against the all-speculative fleet).
@@ -190,24 +192,24 @@ def estimate(
 
 @dataclass(slots=True)
 class BatchSlope:
-    """How much one more running request slows a pool: seconds per output token per added sequence, from its
-    scraped (batch, TPOT) pairs. The pair at the lowest batch seen is the floor; a later pair at a batch at least
-    one above it gives ``(tpot - floor_tpot) / (batch - floor_batch)``, kept until the next such pair. A pair near
-    the floor's batch refreshes the floor (the pool's traffic, and with it its acceptance, changes). Bounded: the
-    whole batch's share of the TPOT cannot exceed the TPOT. None until measured."""
+    """How much one more running request slows a pool: seconds per added sequence, from its scraped (batch, time)
+    pairs (``PoolSpeeds`` feeds it step times). The pair at the lowest batch seen is the floor; a later pair at a
+    batch at least one above it gives ``(time - floor_time) / (batch - floor_batch)``, kept until the next such
+    pair. A pair near the floor's batch refreshes the floor's time (the pool's traffic changes). Bounded: the whole
+    batch's share of the time cannot exceed the time. None until measured."""
 
-    floor: tuple[float, float] | None = None  # (batch per endpoint, TPOT)
+    floor: tuple[float, float] | None = None  # (batch per endpoint, time)
     slope_s: float | None = None
 
-    def add(self, batch: float, tpot_s: float) -> float | None:
-        if not (batch >= 0 and math.isfinite(batch) and tpot_s > 0 and math.isfinite(tpot_s)):
+    def add(self, batch: float, time_s: float) -> float | None:
+        if not (batch >= 0 and math.isfinite(batch) and time_s > 0 and math.isfinite(time_s)):
             return self.slope_s
         floor = self.floor
         if floor is None or batch <= floor[0] + FLOOR_BAND:
-            self.floor = (min(batch, floor[0]) if floor is not None else batch, tpot_s)
+            self.floor = (min(batch, floor[0]) if floor is not None else batch, time_s)
         elif batch - floor[0] >= 1.0:
-            slope = (tpot_s - floor[1]) / (batch - floor[0])
-            self.slope_s = min(max(slope, 0.0), tpot_s / batch)
+            slope = (time_s - floor[1]) / (batch - floor[0])
+            self.slope_s = min(max(slope, 0.0), time_s / batch)
         return self.slope_s
 
 
@@ -258,19 +260,32 @@ class PoolSpeeds:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[float, float | None]] = {}
-        self._slopes: dict[str, BatchSlope] = {}
+        self._slopes: dict[str, BatchSlope] = {}  # of the step time, per added sequence
+        self._lengths: dict[str, float] = {}  # the tokens a request got per step in the last measured round
 
     def round(self, views: Mapping[str, PoolLoadView]) -> None:
-        """Feed one scrape round's (batch per fresh endpoint, TPOT) of every pool to its slope."""
+        """Feed one scrape round's (batch per fresh endpoint, step time) of every pool to its slope. The step time
+        is the TPOT x the tokens a request gets per step (``Acceptance.mean_length``; 1 without speculation): a
+        speculative pool's TPOT also moves with the acceptance of whatever traffic it has, its step time with its
+        batch only."""
         for view in views.values():
-            if view.running is not None and view.fresh_endpoints > 0 and view.tpot_mean_s is not None:
-                self._slopes.setdefault(view.pool, BatchSlope()).add(
-                    view.running / view.fresh_endpoints, view.tpot_mean_s
-                )
+            if view.running is None or view.fresh_endpoints == 0 or view.tpot_mean_s is None:
+                continue
+            length = view.acceptance.mean_length if view.acceptance is not None else 1.0
+            if not (length >= 1.0 and math.isfinite(length)):
+                continue
+            self._lengths[view.pool] = length
+            self._slopes.setdefault(view.pool, BatchSlope()).add(
+                view.running / view.fresh_endpoints, view.tpot_mean_s * length
+            )
 
     def slope(self, pool: str) -> float | None:
+        """Seconds per output token that one more running request adds to each request of the pool: the step
+        time's rise per added sequence over the tokens a request gets per step."""
         track = self._slopes.get(pool)
-        return None if track is None else track.slope_s
+        if track is None or track.slope_s is None:
+            return None
+        return track.slope_s / self._lengths.get(pool, 1.0)
 
     def tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
         """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.routing.estimate import BatchSlope, estimate
+from gateway.routing.estimate import BatchSlope, PoolSpeeds, estimate
 from gateway.routing.route_state import RoutingState
 from tests.unit.test_routing_both_ways import CTL, rules, state, view  # the same two-pool rules
 
@@ -37,6 +37,16 @@ def test_the_slope_stays_within_what_the_tpot_allows(pairs: list[tuple[float, fl
         if slope is not None:
             assert slope >= 0.0
             assert slope * max(batch, 1.0) <= max(t for _, t in pairs) + 1e-12
+
+
+def test_a_fall_in_acceptance_is_not_taken_for_a_batch_slope() -> None:
+    speeds = PoolSpeeds()
+    speeds.round({"spec": view("spec", running=1, tpot=0.005, rate=0.75)})  # 4 tokens a step: a 20 ms step
+    speeds.round({"spec": view("spec", running=8, tpot=0.010, rate=0.25)})  # 2 tokens a step: still 20 ms
+    assert speeds.slope("spec") == 0.0  # the TPOT doubled with the traffic's acceptance, not with the batch
+    speeds.round({"spec": view("spec", running=9, tpot=0.015, rate=0.25)})  # a 30 ms step at batch 9
+    assert speeds.slope("spec") == pytest.approx(0.010 / 8 / 2)  # per added sequence, per token of 2 a step
+    assert speeds.slope("std") is None
 
 
 def test_the_impact_is_the_running_requests_remaining_tokens_times_the_slope() -> None:
