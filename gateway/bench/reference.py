@@ -143,11 +143,11 @@ def fleet_e2e(
 class Frontier:
     load: float
     requests: int
-    standard_p99: float  # the homogeneous fleets (as many servers, random server choice)
+    standard_p99: float  # the homogeneous fleets (as many servers, taking requests in turn)
     speculative_p99: float
     best_shares: tuple[float, ...]  # per class of the mix
     best_p99: float
-    rules: dict[str, float]  # p99 of the simple rules: "all speculative", "all standard", "class <name> speculative"
+    rules: dict[str, float]  # p99 of the simple rules: "all speculative", "all standard", "only <class> speculative"
     evaluated: int
 
     @property
@@ -205,7 +205,7 @@ def render(mix: Mix, setup: Setup, points: list[Frontier], within: float, measur
         "p99 E2E (simulated seconds) of fixed splits on the virtual clock; shares = each class's share sent to the "
         "speculative servers.",
         "",
-        "| load | requests | 2x standard | 2x speculative | best split | its ratio | shares ("
+        f"| load | requests | {setup.servers}x standard | {setup.servers}x speculative | best split | its ratio | shares ("
         + ", ".join(names)
         + ") | fixed splits meet x"
         + f"{within:g}?"
