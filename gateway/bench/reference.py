@@ -205,7 +205,8 @@ def render(mix: Mix, setup: Setup, points: list[Frontier], within: float, measur
         "p99 E2E (simulated seconds) of fixed splits on the virtual clock; shares = each class's share sent to the "
         "speculative servers.",
         "",
-        f"| load | requests | {setup.servers}x standard | {setup.servers}x speculative | best split | its ratio | shares ("
+        f"| load | requests | {setup.servers}x standard | {setup.servers}x speculative | best split | its ratio "
+        "| shares ("
         + ", ".join(names)
         + ") | fixed splits meet x"
         + f"{within:g}?"
