@@ -150,6 +150,8 @@ def ratio_table(points: list[Point], target: Target | None = None) -> list[str]:
     for load in loads:
         a = by[("adaptive", load)]
         base = [by[(h, load)] for h in homo if (h, load) in by]
+        if not base:
+            continue
         best = min(base, key=lambda p: p.summary.e2e[2])
         ratio = a.summary.e2e[2] / best.summary.e2e[2]
         lo, hi = ratio_interval(a.e2e_s, [b.e2e_s for b in base], seed=round(load * 1000))
@@ -157,6 +159,8 @@ def ratio_table(points: list[Point], target: Target | None = None) -> list[str]:
                                     and target.below_by > 0 else [])  # fmt: skip
         open_ = [f"x{x:.2f}" for x in limits if lo <= x <= hi]
         settled = "yes" if not open_ else "no: the interval holds " + ", ".join(open_)
+        if math.isnan(lo) or math.isnan(hi):
+            settled = "unknown (no requests to resample)"
         lines.append(
             f"| {load:.0%} | {LABELS[best.policy]} | {best.summary.e2e[2]:.2f} | {a.summary.e2e[2]:.2f} | "
             f"{ratio:.2f} | {lo:.2f}-{hi:.2f} | {settled} |"

@@ -182,6 +182,13 @@ def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str
     return cap, how
 
 
+def _alive(procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    """Every started process still runs: a port answered by something else does not count as ours."""
+    dead = [p for p in procs if p.poll() is not None]
+    if dead:
+        raise RuntimeError(f"{what} exited (status {dead[0].returncode}) before the sweep could use it")
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
         proc.terminate()
@@ -217,6 +224,7 @@ def run_policy(
             for plist in ports.values():
                 for port in plist:
                     wait_for_port(port, 30.0)
+            _alive(procs, "a simulated server")  # a server that died (its port taken) must not pass as another's
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
             gw_port = free_port()
@@ -224,6 +232,7 @@ def run_policy(
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
             procs.append(subprocess.Popen(cmd))
             wait_for_port(gw_port, 30.0)
+            _alive(procs, "the gateway")
             url = f"http://127.0.0.1:{gw_port}"
             sim_pids = [p.pid for p in procs[:-1]]
             sim_ports = [port for plist in ports.values() for port in plist]
@@ -345,6 +354,8 @@ def _run_parallel(
     """Policies side by side, each in its own process with its own servers (they share nothing but the CPUs: the
     report's harness-CPU section says whether those kept up). Each writes its own JSONL, joined in policy order."""
     parts = {p: jsonl.with_name(f"{jsonl.stem}-{p}.jsonl") for p in policies}
+    for part in parts.values():
+        part.unlink(missing_ok=True)  # an earlier sweep's, in the same folder
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(policies)), mp_context=ctx) as pool:
         futures = [

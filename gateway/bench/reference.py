@@ -149,6 +149,7 @@ class Frontier:
     best_p99: float
     rules: dict[str, float]  # p99 of the simple rules: "all speculative", "all standard", "only <class> speculative"
     evaluated: int
+    fresh_ratio: float = math.nan  # the best split's ratio to the best homogeneous fleet on other requests
 
     @property
     def best_homogeneous(self) -> float:
@@ -188,11 +189,20 @@ def search(
                     best = trial
     for i, cls in enumerate(mix.classes):
         rules[f"only {cls.name} speculative"] = p99(tuple(1.0 if j == i else 0.0 for j in range(n)))
-    log(
-        f"  load {load:.0%}: {len(reqs)} requests; 2x standard {std:.2f} s, 2x speculative {spec:.2f} s, best split "
-        f"{p99(best):.2f} s at {', '.join(f'{c.name} {s:.2f}' for c, s in zip(mix.classes, best, strict=True))}"
+    # the lowest of some fifty p99s on one set of requests is optimistic: the chosen split again, on other requests
+    fresh = plan(mix, setup, load * capacity_rps, duration_s, method, seed + 1000)
+    fresh_best = min(
+        percentile(fleet_e2e(fresh, (0.0,) * n, setup, None, 1, servers), 0.99),
+        percentile(fleet_e2e(fresh, (1.0,) * n, setup, spec_json, servers, 1), 0.99),
     )
-    return Frontier(load, len(reqs), std, spec, best, p99(best), rules, len(seen))
+    fresh_split = percentile(fleet_e2e(fresh, best, setup, spec_json, setup.spec_servers, setup.std_servers), 0.99)
+    log(
+        f"  load {load:.0%}: {len(reqs)} requests; {servers}x standard {std:.2f} s, {servers}x speculative "
+        f"{spec:.2f} s, best split {p99(best):.2f} s at "
+        f"{', '.join(f'{c.name} {s:.2f}' for c, s in zip(mix.classes, best, strict=True))}; on other requests "
+        f"{fresh_split / fresh_best:.2f}x the best fleet"
+    )
+    return Frontier(load, len(reqs), std, spec, best, p99(best), rules, len(seen), fresh_split / fresh_best)
 
 
 def render(mix: Mix, setup: Setup, points: list[Frontier], within: float, measured: dict[float, float]) -> str:
@@ -203,23 +213,24 @@ def render(mix: Mix, setup: Setup, points: list[Frontier], within: float, measur
         f"# specgate bench reference: mix `{mix.name}`, fleet {setup.fleet}",
         "",
         "p99 E2E (simulated seconds) of fixed splits on the virtual clock; shares = each class's share sent to the "
-        "speculative servers.",
+        "speculative servers; the best split is chosen on one set of requests and its ratio checked on another "
+        '("on other requests"): it meets the target only where both ratios do.',
         "",
         f"| load | requests | {setup.servers}x standard | {setup.servers}x speculative | best split | its ratio "
         "| shares ("
         + ", ".join(names)
-        + ") | fixed splits meet x"
+        + ") | on other requests | fixed splits meet x"
         + f"{within:g}?"
         + (" | adaptive (live sweep) |" if measured else " |"),
-        "|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if measured else ""),
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|" + ("---:|" if measured else ""),
     ]
     for p in points:
         ratio = p.best_p99 / p.best_homogeneous if p.best_homogeneous > 0 else math.nan
         live = f" {measured[p.load]:.2f} |" if p.load in measured else (" - |" if measured else "")
         lines.append(
             f"| {p.load:.0%} | {p.requests} | {p.standard_p99:.2f} | {p.speculative_p99:.2f} | {p.best_p99:.2f} | "
-            f"{ratio:.2f} | {', '.join(f'{s:.2f}' for s in p.best_shares)} | "
-            f"{'yes' if ratio <= within else 'no'} |" + live
+            f"{ratio:.2f} | {', '.join(f'{s:.2f}' for s in p.best_shares)} | {p.fresh_ratio:.2f} | "
+            f"{'yes' if max(ratio, p.fresh_ratio) <= within else 'no'} |" + live
         )
     lines += ["", "simple rules (ratio to the best homogeneous fleet):", ""]
     rule_names = list(points[0].rules) if points else []

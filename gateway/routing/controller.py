@@ -310,11 +310,11 @@ class Controller:
         if self.home == "speculative":
             if self._share > 0:
                 if spec > alt * exit_ratio:
-                    direction, detail = -1, f"delay {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
+                    direction, detail = -1, f"cost {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
                 elif over and alt < spec:
                     direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
             if direction == 0 and self._share < 1 and spec < alt * enter_ratio and within:
-                direction, detail = 1, f"delay {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
+                direction, detail = 1, f"cost {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
         else:  # standard home: the same band, mirrored (the acceptance bonus still favours speculation)
             bonus = exit_ratio / c.exit_margin
             if self._share > 0:
@@ -325,7 +325,7 @@ class Controller:
                     direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
             if direction == 0 and self._share < 1 and alt > spec / bonus * c.exit_margin and within:
                 direction = 1
-                detail = f"standard {alt:.3g}s > {c.exit_margin:.3g} x speculative {spec / bonus:.3g}s: faster there"
+                detail = f"standard {alt:.3g}s > {c.exit_margin:.3g} x speculative {spec / bonus:.3g}s: cheaper there"
         if direction == 0:
             self._holding = None
             return None

@@ -23,11 +23,12 @@ the requests already running there (``impact_s``). One more sequence in a batch 
 more on a speculative pool (each sequence verifies ``1 + K`` tokens a step and is drafted for) than on a standard
 one (measured in the simulated 70B preset: 2.9 ms against 0.6 ms a step per added sequence)::
 
-    impact_s = r x (output_tokens / 2) x slope     the running requests' remaining tokens, each slowed by slope
+    impact_s = r x steps x slope      r requests beside it at every one of its steps, each step longer by slope
 
-``slope`` is the pool's measured seconds per output token added by one more running request: the rise of its step
-time (TPOT x tokens per step, so that a change in the acceptance of its traffic is not taken for one in its batch)
-per added sequence, over the tokens a request gets per step (``BatchSlope``, ``PoolSpeeds``).
+``steps`` is the steps the request stays in the batch (its output tokens over the tokens it gets per step: 1 on a
+standard pool, ``1 + class_rate x K`` on a speculative one) and ``slope`` the pool's measured rise of its step time
+per added running request (``gateway.routing.batch_slope``). In a steady state the batch beside it stays at ``r``
+while it runs, those who finish replaced by newcomers, so this is the whole delay it causes.
 Comparing own times alone is selfish routing: it moves a class onto the speculative pool until the class's own
 times are equal, and the requests already there pay for it (measured on a chat-heavy mix at 30% load: the best
 fixed split sends 12% of the chat there, the own-time balance 42%, p99 +24% against the all-speculative fleet).
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,8 +159,8 @@ def estimate(
     impact_weight: float = 1.0,
 ) -> Estimate | None:
     """The class's expected completion time on the pool (module docstring); None when the pool is stale or the
-    TPOT unusable: unknown, never 0. ``k`` 0: a standard pool (no rescaling). ``slope_s``: the pool's seconds per
-    output token added by one more running request (None: unknown, no impact); ``impact_weight`` scales it."""
+    TPOT unusable: unknown, never 0. ``k`` 0: a standard pool (no rescaling). ``slope_s``: the seconds one more
+    running request adds to each of the pool's steps (None: unknown, no impact); ``impact_weight`` scales it."""
     if view.stale or view.running is None or view.waiting is None or not (tpot_s > 0 and math.isfinite(tpot_s)):
         return None
     endpoints = max(view.fresh_endpoints, 1)
@@ -171,7 +171,8 @@ def estimate(
     queue = waiting * DEFAULT_OUTPUT_TOKENS * tpot_s / max(running, 1.0)
     impact = 0.0
     if slope_s is not None and slope_s > 0 and math.isfinite(slope_s) and impact_weight > 0:
-        impact = impact_weight * running * (output_tokens / 2) * slope_s
+        steps = output_tokens / (tokens_per_step(class_rate, k) if k > 0 else 1.0)  # the steps it is in the batch
+        impact = impact_weight * running * steps * slope_s
     return Estimate(
         view.pool,
         kind,
@@ -188,32 +189,6 @@ def estimate(
         pool_rate if k > 0 else None,
         impact,
     )
-
-
-@dataclass(slots=True)
-class BatchSlope:
-    """How much one more running request slows a pool: seconds per added sequence, from its scraped (batch, time)
-    pairs (``PoolSpeeds`` feeds it step times). The pair at the lowest batch seen is the floor; a later pair at a
-    batch at least one above it gives ``(time - floor_time) / (batch - floor_batch)``, kept until the next such
-    pair. A pair near the floor's batch refreshes the floor's time (the pool's traffic changes). Bounded: the whole
-    batch's share of the time cannot exceed the time. None until measured."""
-
-    floor: tuple[float, float] | None = None  # (batch per endpoint, time)
-    slope_s: float | None = None
-
-    def add(self, batch: float, time_s: float) -> float | None:
-        if not (batch >= 0 and math.isfinite(batch) and time_s > 0 and math.isfinite(time_s)):
-            return self.slope_s
-        floor = self.floor
-        if floor is None or batch <= floor[0] + FLOOR_BAND:
-            self.floor = (min(batch, floor[0]) if floor is not None else batch, time_s)
-        elif batch - floor[0] >= 1.0:
-            slope = (time_s - floor[1]) / (batch - floor[0])
-            self.slope_s = min(max(slope, 0.0), time_s / batch)
-        return self.slope_s
-
-
-FLOOR_BAND = 0.5  # a scraped batch within this of the floor's refreshes the floor's TPOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,48 +227,3 @@ class Observation:
             p95_s=p95_s,
             stale=spec.stale or alt.stale,
         )
-
-
-class PoolSpeeds:
-    """Per pool, across scrape rounds: its last measured TPOT with the acceptance rate it ran at, and its
-    ``BatchSlope``. Owned by the routing state; one per process."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, float | None]] = {}
-        self._slopes: dict[str, BatchSlope] = {}  # of the step time, per added sequence
-        self._lengths: dict[str, float] = {}  # the tokens a request got per step in the last measured round
-
-    def round(self, views: Mapping[str, PoolLoadView]) -> None:
-        """Feed one scrape round's (batch per fresh endpoint, step time) of every pool to its slope. The step time
-        is the TPOT x the tokens a request gets per step (``Acceptance.mean_length``; 1 without speculation): a
-        speculative pool's TPOT also moves with the acceptance of whatever traffic it has, its step time with its
-        batch only."""
-        for view in views.values():
-            if view.running is None or view.fresh_endpoints == 0 or view.tpot_mean_s is None:
-                continue
-            length = view.acceptance.mean_length if view.acceptance is not None else 1.0
-            if not (length >= 1.0 and math.isfinite(length)):
-                continue
-            self._lengths[view.pool] = length
-            self._slopes.setdefault(view.pool, BatchSlope()).add(
-                view.running / view.fresh_endpoints, view.tpot_mean_s * length
-            )
-
-    def slope(self, pool: str) -> float | None:
-        """Seconds per output token that one more running request adds to each request of the pool: the step
-        time's rise per added sequence over the tokens a request gets per step."""
-        track = self._slopes.get(pool)
-        if track is None or track.slope_s is None:
-            return None
-        return track.slope_s / self._lengths.get(pool, 1.0)
-
-    def tpot(self, view: PoolLoadView) -> tuple[float, float | None] | None:
-        """The pool's TPOT over the scrape window and the acceptance rate it ran at, else the last ones measured."""
-        t = view.tpot_mean_s
-        if t is not None and t > 0 and math.isfinite(t):
-            rate = None if view.acceptance is None else view.acceptance.rate
-            if rate is None and view.pool in self._last:
-                rate = self._last[view.pool][1]
-            self._last[view.pool] = (t, rate)
-            return t, rate
-        return self._last.get(view.pool)

@@ -59,13 +59,13 @@ from prometheus_client import CollectorRegistry
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
-    PoolSpeeds,
     estimate,
     per_token_acceptance,
     prior_rate,
@@ -240,7 +240,9 @@ class RoutingState:
         self._sync(now)
         if not self._classes:
             return []
-        self._speeds.round(views)
+        rules = self._rules()
+        spec_pools = {p.name for p in rules.pools if p.kind == "speculative"}
+        self._speeds.round(now, views, speculative=spec_pools, window_s=rules.scrape.window_s)
         drafted, accepted = self._class_draft_counts()
         remote = self.remote_counts()
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
@@ -333,13 +335,12 @@ class RoutingState:
         rate, source = self._class_rate(c, acceptance)
         cfg = c.controller.config
         out, weight = cfg.output_tokens, cfg.load_impact
+        spec_slope, std_slope = self._speeds.slopes(spec.pool, std.pool)
         spec_est = estimate(
             spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
-            pool_rate=pool_rate, slope_s=self._speeds.slope(spec.pool), impact_weight=weight,
+            pool_rate=pool_rate, slope_s=spec_slope, impact_weight=weight,
         )  # fmt: skip
-        std_est = estimate(
-            std, "standard", std_tpot, output_tokens=out, slope_s=self._speeds.slope(std.pool), impact_weight=weight
-        )
+        std_est = estimate(std, "standard", std_tpot, output_tokens=out, slope_s=std_slope, impact_weight=weight)
         c.estimates = (spec_est, std_est)
         # built once a round and shared by every choice until the next
         c.speeds = {e.pool: e.class_tpot_s for e in c.estimates if e is not None}
