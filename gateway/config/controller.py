@@ -75,8 +75,8 @@ class ControllerConfig(Strict):
         ge=0,
         le=4,
         description="Weight of the time a request adds to the requests already running on a pool (a longer step "
-        "for each of them, measured per pool) in the comparison; 1 minimises the time of all requests together, "
-        "0 compares the class's own expected times only.",
+        "for each of them while it runs, measured per pool) in the comparison; 1 counts it in full (what every "
+        "request waits, together), 0 compares the class's own expected times only.",
     )
     min_hold_s: Number = Field(60.0, ge=0, description="No load-driven change within this long of the last one.")
     max_changes_per_hour: int = Field(6, ge=1, description="Cap on automatic state changes in any hour.")
