@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.bench.load import Summary
+from gateway.sim.launch import PRESET
+from gateway.sim.physics import DraftCost, TargetCost
+from gateway.sim.presets import get_preset
 from gateway.sim.wire import OutputLengths
 
 POLICIES = ("standard", "speculative", "nginx", "adaptive")
@@ -53,6 +56,24 @@ class Setup:
     @property
     def lengths(self) -> OutputLengths:
         return OutputLengths(self.output_median, self.output_sigma)
+
+    def costs(self, method: str | None) -> tuple[TargetCost, DraftCost | None]:
+        """The simulated servers' target and (with a speculative ``method``) drafter costs: the preset's, every
+        per-token cost x ``scale`` (the fixed per-step costs as they are)."""
+        p = get_preset(PRESET)
+        f, t = self.scale, p.target
+        target = replace(t, gamma_s=t.gamma_s * f, gamma_prefill_s=t.gamma_prefill_s * f, alpha_s=t.alpha_s * f)
+        if method is None:
+            return target, None
+        d = p.draft_for(method)
+        return target, replace(d, gamma_s=d.gamma_s * f, alpha_s=d.alpha_s * f, gamma_prefill_s=d.gamma_prefill_s * f)
+
+    def fleet_from(self, text: str) -> Setup:
+        """This setup with the mixed fleet ``SPEC+STD`` (e.g. ``2+1``); ValueError when it is not that."""
+        spec_n, plus, std_n = text.partition("+")
+        if not plus or not spec_n.strip().isdigit() or not std_n.strip().isdigit() or min(int(spec_n), int(std_n)) < 1:
+            raise ValueError(f"--fleet: expected SPEC+STD servers such as 2+1, got {text!r}")
+        return replace(self, spec_servers=int(spec_n), std_servers=int(std_n))
 
 
 @dataclass(frozen=True, slots=True)

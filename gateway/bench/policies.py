@@ -55,20 +55,15 @@ from gateway.bench.points import FIRST_WARMUP, LABELS, POLICIES, POLICY_FILES, P
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET, free_port, spec_config_json, wait_for_port
 from gateway.sim.physics import step_time
-from gateway.sim.presets import get_preset
 from gateway.sim.wire import count_tokens
 
 
 def _physics_args(setup: Setup, method: str | None) -> list[str]:
-    p = get_preset(PRESET)
-    f = setup.scale
-    t = p.target
-    args = ["--gamma-s", f"{t.gamma_s * f:g}", "--gamma-prefill-s", f"{t.gamma_prefill_s * f:g}"]
-    args += ["--alpha-s", f"{t.alpha_s * f:g}"]
-    if method is not None:
-        d = p.draft_for(method)
-        args += ["--draft-gamma-s", f"{d.gamma_s * f:g}", "--draft-alpha-s", f"{d.alpha_s * f:g}"]
-        args += ["--draft-gamma-prefill-s", f"{d.gamma_prefill_s * f:g}"]
+    t, d = setup.costs(method)
+    args = ["--gamma-s", f"{t.gamma_s:g}", "--gamma-prefill-s", f"{t.gamma_prefill_s:g}", "--alpha-s", f"{t.alpha_s:g}"]
+    if d is not None:
+        args += ["--draft-gamma-s", f"{d.gamma_s:g}", "--draft-alpha-s", f"{d.alpha_s:g}"]
+        args += ["--draft-gamma-prefill-s", f"{d.gamma_prefill_s:g}"]
     return args
 
 
@@ -155,7 +150,6 @@ def servers_per_pool(rules: dict[str, Any], setup: Setup | None = None) -> dict[
 def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str]:
     """Simulated requests/s as many standard servers as the fleet has sustain on this mix at a full batch."""
     rng = random.Random(setup.seed)
-    p = get_preset(PRESET)
     outs, prompts = [], []
     for i in range(n):
         planned = plan_request(mix, "m", rng)
@@ -167,8 +161,7 @@ def estimate_capacity(mix: Mix, setup: Setup, n: int = 4000) -> tuple[float, str
     mean_prompt = sum(prompts) / n
     b = setup.max_num_seqs
     f = setup.scale
-    t = p.target
-    target = replace(t, gamma_s=t.gamma_s * f, gamma_prefill_s=t.gamma_prefill_s * f, alpha_s=t.alpha_s * f)
+    target, _ = setup.costs(None)
     ctx = mean_prompt + mean_out / 2
     step = step_time(target, None, 0, b, 0, round(b * ctx))
     per_request = mean_out * step / b + mean_prompt * target.gamma_prefill_s

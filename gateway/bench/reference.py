@@ -25,7 +25,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +78,13 @@ def plan(mix: Mix, setup: Setup, rate: float, duration_s: float, method: str, se
 
 
 def _engine(setup: Setup, spec_json: str | None, seed: int) -> Engine:
-    p = get_preset(PRESET)
-    f = setup.scale
     spec = SpecConfig.from_json(spec_json) if spec_json else None
-    t = p.target
-    target = replace(t, gamma_s=t.gamma_s * f, gamma_prefill_s=t.gamma_prefill_s * f, alpha_s=t.alpha_s * f)
-    draft = None
-    if spec is not None:
-        d = p.draft_for(spec.method)
-        draft = replace(d, gamma_s=d.gamma_s * f, alpha_s=d.alpha_s * f, gamma_prefill_s=d.gamma_prefill_s * f)
+    target, draft = setup.costs(spec.method if spec is not None else None)
     metrics = VllmMetrics(model_name="m", speculative=spec.num_speculative_tokens if spec else None)
     return Engine(
-        p, spec, metrics, max_num_seqs=setup.max_num_seqs, seed=seed, target=target, draft=draft, virtual_clock=True
-    )
+        get_preset(PRESET), spec, metrics, max_num_seqs=setup.max_num_seqs, seed=seed, target=target, draft=draft,
+        virtual_clock=True,
+    )  # fmt: skip
 
 
 async def _serve(setup: Setup, spec_json: str | None, reqs: Sequence[Req], seed: int) -> list[float]:

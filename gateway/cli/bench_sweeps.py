@@ -97,13 +97,8 @@ def bench_policies_cmd(
     try:
         if repeats < 1:
             raise ValueError("--repeats must be at least 1")
-        spec_n, plus, std_n = fleet.partition("+")
-        if not plus or not spec_n.strip().isdigit() or not std_n.strip().isdigit() or min(int(spec_n), int(std_n)) < 1:
-            raise ValueError(f"--fleet: expected SPEC+STD servers such as 2+1, got {fleet!r}")
         setup = Setup(
             controller_time_scale=controller_time_scale,
-            spec_servers=int(spec_n),
-            std_servers=int(std_n),
             time_scale=time_scale,
             max_num_seqs=max_num_seqs,
             scale=scale,
@@ -112,7 +107,7 @@ def bench_policies_cmd(
             repeats=repeats,
             warmup_s=warmup,
             min_requests=min_requests,
-        )
+        ).fleet_from(fleet)
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         names = tuple(p.strip() for p in policies.split(",") if p.strip())
         bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
@@ -147,13 +142,10 @@ def bench_reference_cmd(
     from gateway.config.packaged import DEFAULT_RULES
 
     try:
-        spec_n, plus, std_n = fleet.partition("+")
-        if not plus or not spec_n.strip().isdigit() or not std_n.strip().isdigit() or min(int(spec_n), int(std_n)) < 1:
-            raise ValueError(f"--fleet: expected SPEC+STD servers such as 2+1, got {fleet!r}")
         the_mix = load_mix(mix)
         if any(c.api == "responses" for c in the_mix.classes):
             raise ValueError("the reference model replays chat completions; this mix sends Responses requests")
-        setup = Setup(spec_servers=int(spec_n), std_servers=int(std_n), seed=seed)
+        setup = Setup(seed=seed).fleet_from(fleet)
         if the_mix.output_len_median is not None:
             from dataclasses import replace
 
