@@ -116,6 +116,30 @@ def rules_for(spec_urls: list[str], std_urls: list[str], **overrides: Any) -> di
     return rules
 
 
+def started_sims(n: int, *, time_scale: float, median: int, max_num_seqs: int) -> Iterator[list[Any]]:
+    """``n`` in-process simulated vLLM servers (answers of exactly ``median`` tokens, seeds 0..n-1), stopped after
+    the test: the body of a fixture."""
+    from gateway.sim.server import SimOptions, SimServer
+    from gateway.sim.wire import OutputLengths
+
+    started = [
+        SimServer(
+            SimOptions(
+                model=MODEL,
+                port=0,
+                time_scale=time_scale,
+                output_lengths=OutputLengths(median=median, sigma=0),
+                max_num_seqs=max_num_seqs,
+                seed=i,
+            )
+        ).start()
+        for i in range(n)
+    ]
+    yield started
+    for sim in started:
+        sim.stop()
+
+
 def static_routes(rules: dict[str, Any]) -> dict[str, Any]:
     """``defaults.controller: null`` on a rules dict: classes without a controller block of their own keep their
     static route (the explicit opt-out of the built-in balancing controller). Returns the same dict."""

@@ -21,10 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
-from gateway.sim.wire import OutputLengths
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, rules_for, started_sims
 
 pytestmark = pytest.mark.integration
 
@@ -36,22 +34,7 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temper
 
 @pytest.fixture
 def sims() -> Iterator[list[SimServer]]:
-    started = [
-        SimServer(
-            SimOptions(
-                model=MODEL,
-                port=0,
-                time_scale=0.4,
-                output_lengths=OutputLengths(median=50, sigma=0),
-                max_num_seqs=BATCH,
-                seed=i,
-            )
-        ).start()
-        for i in range(2)
-    ]
-    yield started
-    for s in started:
-        s.stop()
+    yield from started_sims(2, time_scale=0.4, median=50, max_num_seqs=BATCH)
 
 
 @dataclass

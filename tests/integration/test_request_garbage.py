@@ -26,32 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.fleet.h1client import HostPool, _Conn
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.idempotency import KeyClaim
-from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
-from gateway.sim.wire import OutputLengths
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, rules_for, started_sims
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def sims() -> Iterator[list[SimServer]]:
-    started = [
-        SimServer(
-            SimOptions(
-                model=MODEL,
-                port=0,
-                time_scale=0.01,
-                output_lengths=OutputLengths(median=30, sigma=0),
-                max_num_seqs=64,
-                seed=i,
-            )
-        ).start()
-        for i in range(2)
-    ]
-    yield started
-    for s in started:
-        s.stop()
+    yield from started_sims(2, time_scale=0.01, median=30, max_num_seqs=64)
 
 
 def _requests_total(url: str) -> float:
