@@ -90,6 +90,20 @@ def table(points: list[Point], get: Callable[[Point], float], digits: int = 2) -
     return "\n".join(lines)
 
 
+def class_shares(points: list[Point], policy: str = "adaptive") -> list[str]:
+    """The policy's share of each request class answered by a speculative server, per load: where it put what."""
+    mine = sorted((p for p in points if p.policy == policy), key=lambda p: p.load)
+    names = sorted({c.cls for p in mine for c in p.per_class})
+    if not mine or not names:
+        return []
+    lines = [f"## share of each request class answered by a speculative server ({LABELS[policy]})", ""]
+    lines += ["| offered load | " + " | ".join(names) + " |", "|" + "---:|" * (1 + len(names))]
+    for p in mine:
+        got = {c.cls: c.spec_share for c in p.per_class}
+        lines.append(f"| {p.load:.0%} | " + " | ".join(_fmt(got.get(n, math.nan), 2) for n in names) + " |")
+    return [*lines, ""]
+
+
 def target_check(points: list[Point], target: Target | None = None) -> list[str]:
     """The mix's policy target, line by line: met or not, with the numbers."""
     target = target or Target()
@@ -219,6 +233,7 @@ def render_report(
     parts += ["## requests measured", "", table(points, lambda p: float(p.summary.requests), 0), ""]
     parts += ["## errors", "", table(points, lambda p: float(p.summary.errors), 0), ""]
     parts += ["## share answered by a speculative server", "", table(points, lambda p: p.summary.spec_share, 2), ""]
+    parts += class_shares(points)
     parts += harness_cpu(points)
     shown = [f"![{name}]({name})" for name in plots] or [f"- not drawn: matplotlib not installed ({BENCH_EXTRA_HINT})"]
     parts += ["## Plots", "", *shown, ""]

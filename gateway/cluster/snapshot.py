@@ -132,6 +132,7 @@ def load_views(snapshot: Mapping[str, Any]) -> dict[str, PoolLoadView]:
                 acceptance=acceptance,
                 tpot_mean_s=_num(d.get("tpot_mean_s")),
                 generation_tokens_per_s=_num(d.get("generation_tokens_per_s")),
+                output_tokens_mean=_num(d.get("output_tokens_mean")),
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             continue

@@ -34,6 +34,14 @@ class ControllerConfig(Strict):
         description="Move a share back home when the home pool's expected completion time < the other pool's x this "
         "ratio (below exit_margin).",
     )
+    balance_margin: OptionalNumber = Field(
+        None,
+        ge=1,
+        description="Once a share of the class is away from home, it moves on toward the pool whose expected "
+        "completion time is lower by more than this ratio, in either direction, instead of staying anywhere "
+        "within enter_margin..exit_margin: the share settles near where the two pools' times balance. Leaving "
+        "home still needs exit_margin. None (or share_step 1, whole-class moves): enter_margin brings it back.",
+    )
     acceptance_weight: Number = Field(
         0.5,
         ge=0,
@@ -112,6 +120,11 @@ class ControllerConfig(Strict):
                 f"thresholds out of order: enter_margin {self.enter_margin} must be below exit_margin "
                 f"{self.exit_margin} (hysteresis)"
             )
+        if self.balance_margin is not None and not self.balance_margin < self.exit_margin:
+            raise ValueError(
+                f"thresholds out of order: balance_margin {self.balance_margin} must be below exit_margin "
+                f"{self.exit_margin} (leaving home needs the most)"
+            )
         for what in ("queue", "batch"):
             enter, exit_ = getattr(self, f"max_{what}_enter"), getattr(self, f"max_{what}_exit")
             if (enter is None) != (exit_ is None):
@@ -125,6 +138,7 @@ class ControllerConfig(Strict):
 
 def balancing_controller() -> ControllerConfig:
     """The controller of every class when the YAML says nothing (no ``defaults.controller`` key): home + a share
-    onto the other kind's pool while that is clearly faster for the class, and back. The estimate alone decides
-    (no acceptance bonus), and without measurements the class keeps its static route (``safe_state: home``)."""
-    return ControllerConfig(acceptance_weight=0.0, safe_state="home")
+    onto the other kind's pool while that is clearly faster for the class, settling where the two balance, and back.
+    The estimate alone decides (no acceptance bonus), and without measurements the class keeps its static route
+    (``safe_state: home``)."""
+    return ControllerConfig(acceptance_weight=0.0, safe_state="home", balance_margin=1.05)

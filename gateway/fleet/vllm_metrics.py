@@ -191,6 +191,13 @@ class WindowDeltas:
     def generation_tokens_per_s(self) -> float | None:
         return self.generation_tokens / self.span_s if self.span_s > 0 else None
 
+    @property
+    def output_tokens_mean(self) -> float | None:
+        """Output tokens per finished request: the window's generated tokens over its TPOT observations (vLLM
+        observes one per finished request). Tokens of requests still running count too, so it runs a little high
+        while the load rises; None without a finished request."""
+        return self.generation_tokens / self.tpot_count if self.tpot_count > 0 else None
+
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
@@ -348,6 +355,7 @@ class PoolLoadView:
     acceptance: Acceptance | None
     tpot_mean_s: float | None
     generation_tokens_per_s: float | None
+    output_tokens_mean: float | None = None  # per finished request in the scrape window
 
     @property
     def stale(self) -> bool:
@@ -388,4 +396,5 @@ class PoolLoad:
             acceptance=None if total is None else total.acceptance(),
             tpot_mean_s=None if total is None else total.tpot_mean_s,
             generation_tokens_per_s=None if total is None else total.generation_tokens_per_s,
+            output_tokens_mean=None if total is None else total.output_tokens_mean,
         )

@@ -303,29 +303,38 @@ class Controller:
         if spec is None or alt is None:  # _missing checked them; for the type checker
             return self._hold("stale")
         exit_ratio, enter_ratio = self.ratios()
+        factor = exit_ratio / c.exit_margin  # the acceptance bonus (1 without one)
         over = _over(obs.spec_queue, c.max_queue_exit) or _over(obs.spec_batch, c.max_batch_exit)
         within = not _over(obs.spec_queue, c.max_queue_enter) and not _over(obs.spec_batch, c.max_batch_enter)
+        # Leaving home takes exit_margin; a share already away balances within balance_margin both ways.
+        balance = c.balance_margin if c.balance_margin is not None and c.share_step < 1 else None
+        at_home = self._share == (1.0 if self.home == "speculative" else 0.0)
         direction = 0
         detail = ""
         if self.home == "speculative":
+            away, back = exit_ratio, enter_ratio
+            if balance is not None and not at_home:
+                away, back = balance * factor, factor / balance
             if self._share > 0:
-                if spec > alt * exit_ratio:
-                    direction, detail = -1, f"cost {spec:.3g}s > {exit_ratio:.3g} x standard {alt:.3g}s"
+                if spec > alt * away:
+                    direction, detail = -1, f"cost {spec:.3g}s > {away:.3g} x standard {alt:.3g}s"
                 elif over and alt < spec:
                     direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
-            if direction == 0 and self._share < 1 and spec < alt * enter_ratio and within:
-                direction, detail = 1, f"cost {spec:.3g}s < {enter_ratio:.3g} x standard {alt:.3g}s"
+            if direction == 0 and self._share < 1 and spec < alt * back and within:
+                direction, detail = 1, f"cost {spec:.3g}s < {back:.3g} x standard {alt:.3g}s"
         else:  # standard home: the same band, mirrored (the acceptance bonus still favours speculation)
-            bonus = exit_ratio / c.exit_margin
+            away, back = c.exit_margin, c.enter_margin
+            if balance is not None and not at_home:
+                away, back = balance, 1 / balance
             if self._share > 0:
-                if alt < spec / bonus * c.enter_margin:
+                if alt < spec / factor * back:
                     direction = -1
-                    detail = f"standard {alt:.3g}s < {c.enter_margin:.3g} x speculative {spec / bonus:.3g}s: home"
+                    detail = f"standard {alt:.3g}s < {back:.3g} x speculative {spec / factor:.3g}s: home"
                 elif over and alt < spec:
                     direction, detail = -1, f"over queue/batch limit and standard faster ({alt:.3g}s < {spec:.3g}s)"
-            if direction == 0 and self._share < 1 and alt > spec / bonus * c.exit_margin and within:
+            if direction == 0 and self._share < 1 and alt > spec / factor * away and within:
                 direction = 1
-                detail = f"standard {alt:.3g}s > {c.exit_margin:.3g} x speculative {spec / bonus:.3g}s: cheaper there"
+                detail = f"standard {alt:.3g}s > {away:.3g} x speculative {spec / factor:.3g}s: cheaper there"
         if direction == 0:
             self._holding = None
             return None

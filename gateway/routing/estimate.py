@@ -7,7 +7,10 @@ Pure: numbers in, numbers out. Per fresh endpoint of the pool, with ``r`` runnin
     decode_s      = output_tokens x class_tpot
     expected_s    = queue_s + first_token_s + decode_s
 
-``tpot`` is the pool's measured mean time per output token (it already reflects its batch size). On a standard
+``tpot`` is the pool's measured mean time per output token (it already reflects its batch size);
+``pool_output_tokens`` the output tokens of the requests the pool finished in the scrape window (generated tokens
+over finished requests; ``DEFAULT_OUTPUT_TOKENS`` before any finished): the requests ahead in its queue are the
+pool's own traffic, not this class's. On a standard
 pool every request of the class decodes at that speed. On a speculative pool one engine step emits ``1 + rate x K``
 tokens per request on average (``rate``: vLLM's acceptance rate, accepted / draft tokens; ``K``: draft tokens per
 step), so the pool's TPOT, measured on its own traffic at the pool's acceptance, is rescaled to the class's::
@@ -73,7 +76,13 @@ def expected_delay(
     endpoints = max(view.fresh_endpoints, 1)
     running, waiting = view.running / endpoints, view.waiting / endpoints
     decode = output_tokens * tpot
-    return waiting * decode / max(running, 1.0) + tpot + decode
+    return waiting * queued_tokens(view) * tpot / max(running, 1.0) + tpot + decode
+
+
+def queued_tokens(view: PoolLoadView) -> float:
+    """Output tokens of one request in the pool's queue: the pool's measured mean, else ``DEFAULT_OUTPUT_TOKENS``."""
+    mean = view.output_tokens_mean
+    return mean if mean is not None and math.isfinite(mean) and mean >= 1.0 else DEFAULT_OUTPUT_TOKENS
 
 
 def per_token_acceptance(temperature: float) -> float:
@@ -168,7 +177,7 @@ def estimate(
     class_tpot = tpot_s
     if k > 0 and pool_rate is not None:  # without the rate the pool's TPOT was measured at, nothing to rescale
         class_tpot = tpot_s * tokens_per_step(pool_rate, k) / tokens_per_step(class_rate, k)
-    queue = waiting * DEFAULT_OUTPUT_TOKENS * tpot_s / max(running, 1.0)
+    queue = waiting * queued_tokens(view) * tpot_s / max(running, 1.0)
     impact = 0.0
     if slope_s is not None and slope_s > 0 and math.isfinite(slope_s) and impact_weight > 0:
         steps = output_tokens / (tokens_per_step(class_rate, k) if k > 0 else 1.0)  # the steps it is in the batch

@@ -310,3 +310,21 @@ def test_responses_mix_plans_responses_api_bodies() -> None:
             assert f.task_type == "structured"
     with pytest.raises(ValueError, match="api"):
         parse_mix({"classes": [{"name": "x", "api": "assistants"}]})
+
+
+def test_the_report_shows_where_the_adaptive_policy_put_each_request_class() -> None:
+    from gateway.bench.load import Summary
+    from gateway.bench.plots import class_shares
+
+    def summ(cls: str, share: float) -> Summary:
+        return Summary(cls, 10, 0, 1.0, 1.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 1, 1), share)
+
+    points = [
+        Point("adaptive", 0.7, 7.0, summ("all", 0.5), (summ("chat", 0.25), summ("json", 1.0)), 1.0),
+        Point("adaptive", 0.1, 1.0, summ("all", 0.9), (summ("chat", 0.8), summ("json", 1.0)), 1.0),
+        Point("standard", 0.1, 1.0, summ("all", 0.0), (summ("chat", 0.0),), 1.0),
+    ]
+    lines = class_shares(points)
+    assert "| offered load | chat | json |" in lines
+    assert lines.index("| 10% | 0.80 | 1.00 |") < lines.index("| 70% | 0.25 | 1.00 |")  # by load, adaptive only
+    assert class_shares([points[2]]) == []

@@ -38,7 +38,7 @@ def test_round_trip_through_json() -> None:
     leader[1].endpoints[0].ejected = True
     leader[1].endpoints[0].ejected_until = 110.0
     views = {
-        "spec": PoolLoadView("spec", 2, 1, 3.0, 1.0, 0.5, Acceptance(0.7, 3.1, (0.9, 0.6), 12.0), 0.02, math.nan),
+        "spec": PoolLoadView("spec", 2, 1, 3.0, 1.0, 0.5, Acceptance(0.7, 3.1, (0.9, 0.6), 12.0), 0.02, math.nan, 181),
         "std": PoolLoadView("std", 1, 0, None, None, None, None, None, None),
     }
     classes = {"precise": {"state": "split", "share": 0.25}, "bad": {"state": "nope", "share": 2}}
@@ -62,6 +62,7 @@ def test_round_trip_through_json() -> None:
     got = snapshot.load_views(snap)
     assert got["spec"].acceptance == views["spec"].acceptance
     assert got["spec"].generation_tokens_per_s is None  # NaN crosses as unknown, never 0
+    assert got["spec"].output_tokens_mean == 181.0  # followers estimate queues on the leader's numbers
     assert got["std"].stale
     assert snapshot.class_shares(snap) == {"precise": ("split", 0.25)}
 

@@ -103,8 +103,15 @@ def test_config_errors_are_clear(kw: dict[str, Any], message: str) -> None:
 # -- expected delay ------------------------------------------------------------------------------------------
 
 
-def view(running: float | None, waiting: float | None, *, fresh: int = 1, tpot: float | None = 0.02) -> PoolLoadView:
-    return PoolLoadView("p", max(fresh, 1), fresh, running, waiting, None, None, tpot, None)
+def view(
+    running: float | None,
+    waiting: float | None,
+    *,
+    fresh: int = 1,
+    tpot: float | None = 0.02,
+    out_mean: float | None = 100.0,
+) -> PoolLoadView:
+    return PoolLoadView("p", max(fresh, 1), fresh, running, waiting, None, None, tpot, None, out_mean)
 
 
 def test_expected_delay() -> None:
@@ -112,6 +119,10 @@ def test_expected_delay() -> None:
     assert expected_delay(view(0, 0), 0.05, output_tokens=100) == pytest.approx(0.02 + 2.0)
     # 8 running, 4 waiting per endpoint: half a decode of queueing
     assert expected_delay(view(16, 8, fresh=2), 0.05, output_tokens=100) == pytest.approx(1.0 + 0.02 + 2.0)
+    # the queued requests are the pool's: its mean output, or 256 tokens before it finished any
+    assert expected_delay(view(16, 8, fresh=2, out_mean=300), 0.05, output_tokens=100) == pytest.approx(3.0 + 2.02)
+    assert expected_delay(view(16, 8, fresh=2, out_mean=None), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
+    assert expected_delay(view(16, 8, fresh=2, out_mean=0.0), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
     # no TPOT measured in the window: the fallback
     assert expected_delay(view(0, 0, tpot=None), 0.05, output_tokens=100) == pytest.approx(0.05 + 5.0)
     # stale: unknown, not 0

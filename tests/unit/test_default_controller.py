@@ -57,8 +57,8 @@ def stale(pool: str) -> PoolLoadView:
 
 def test_balancing_controller_is_the_estimate_alone_with_home_as_safe_state() -> None:
     cfg = balancing_controller()
-    assert (cfg.acceptance_weight, cfg.safe_state) == (0.0, "home")
-    assert cfg == ControllerConfig(acceptance_weight=0, safe_state="home")
+    assert (cfg.acceptance_weight, cfg.safe_state, cfg.balance_margin) == (0.0, "home", 1.05)
+    assert cfg == ControllerConfig(acceptance_weight=0, safe_state="home", balance_margin=1.05)
     assert balancing_controller() is not balancing_controller()  # a fresh one each time: no shared mutable default
 
 

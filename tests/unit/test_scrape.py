@@ -187,6 +187,7 @@ def test_acceptance_from_counter_deltas_over_the_window() -> None:
     d = ep.deltas(2.0)
     assert d is not None
     assert d.generation_tokens_per_s == pytest.approx(300 / 2)
+    assert d.output_tokens_mean == pytest.approx(300 / 20)  # 300 tokens, 20 requests finished (TPOT observations)
 
     # The window slides: the base is the last snapshot at or before now - window_s.
     for t in (4.0, 6.0, 8.0, 10.0, 12.0):
@@ -213,6 +214,8 @@ def test_no_drafts_means_no_acceptance_never_zero() -> None:
     idle.record(sample(100, 400, 300), now=2.0)
     assert idle.acceptance(2.0) is None
     assert idle.tpot_mean_s(2.0) is None
+    d = idle.deltas(2.0)
+    assert d is None or d.output_tokens_mean is None  # nothing finished: unknown, never 0
 
 
 def test_a_counter_reset_starts_a_new_baseline() -> None:
