@@ -24,8 +24,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -42,14 +41,12 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.fleet.pools import EndpointState, PoolState
-from gateway.fleet.upstream import PoolClient, UpstreamResponse
+from gateway.fleet.upstream import PoolClient
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics, Outcome
-from gateway.proxy.dialect import CHAT, ChatDialect
 from gateway.proxy.headers import client_response_headers, upstream_request_headers
-from gateway.proxy.idempotency import KeyClaim
+from gateway.proxy.job import Opened, ProxyJob, response_headers
 from gateway.proxy.pool_answer import check_status
-from gateway.proxy.record import RequestRecord
 from gateway.proxy.stall import StallWatch, abort_client
 from gateway.proxy.stream_tap import StreamTap, sample_from_body, with_include_usage
 from gateway.proxy.wire import (
@@ -70,54 +67,12 @@ from gateway.routing.attempts import (
     exhausted,
     status_result,
 )
-from gateway.routing.plan import Plan
-from gateway.runtime.detached import DetachedBudget
 
 logger = logging.getLogger("specgate.forward")
 
 # How long a request runs before the gateway starts watching for its client's disconnect (ProxyExchange.__call__):
 # the upper bound on how late a disconnect cancels the upstream request.
 WATCH_AFTER_S = 0.05
-
-
-@dataclass(slots=True)
-class ProxyJob:
-    """What the front half (``gateway.proxy.intake``) hands to the exchange: the raw body and client headers to
-    forward, the plan and attempt limit, the request's record, the headers every answer carries, and its
-    Idempotency-Key claim."""
-
-    path: str
-    body: bytes
-    client_headers: list[tuple[str, str]]
-    stream: bool
-    plan: Plan
-    max_attempts: int
-    record: RequestRecord
-    extra_headers: list[tuple[str, str]]
-    parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
-    idempotency: KeyClaim | None = None  # the request's claim on its Idempotency-Key (records what is sent)
-    dialect: ChatDialect = CHAT  # how its stream ends and fails (gateway.proxy.dialect)
-    pinned: tuple[PoolState, EndpointState] | None = None  # the one endpoint to try (it holds the request's state)
-    method: str = "POST"
-    # Called with a 200 answer's body (a stream: its first event) before the client sees it (Responses API ids).
-    on_answer: Callable[[PoolState, EndpointState, bytes], Awaitable[None]] | None = None
-    client_addr: str | None = None  # the client's IP address, appended to X-Forwarded-For
-    detached: DetachedBudget | None = None  # keyed: may it run on after its client left (None: always)
-    tenant: bytes = b"anonymous"  # the client's scope in ``detached``
-
-
-@dataclass(slots=True)
-class _Opened:
-    """A successful attempt: headers received, and for a stream its first event."""
-
-    pool: PoolState
-    endpoint: EndpointState
-    response: UpstreamResponse
-    first_events: list[bytes] | None
-    splitter: SSESplitter | None
-    buffered_body: bytes | None
-    tap: StreamTap | None = None  # streams from a speculative pool
-    model: str | None = None  # the model asked for instead of the requested one (route.fallback_model)
 
 
 class ProxyExchange:
@@ -147,7 +102,7 @@ class ProxyExchange:
         self.rng = rng
         self.outcome: Outcome = "ok"
         self.committed = False
-        self._opened: _Opened | None = None
+        self._opened: Opened | None = None
         self._client_gone = False
         self._last_send = False  # from here on, a disconnect is the normal end of the exchange
         self._tap: StreamTap | None = None
@@ -281,7 +236,7 @@ class ProxyExchange:
         else:
             await self._send_buffered(send, opened)
 
-    async def _open(self) -> _Opened:
+    async def _open(self) -> Opened:
         """The attempt loop up to the commit point. The request holds a retry-budget lease from its first attempt
         until its upstream response is closed (``_cleanup``); every retry it was granted counts as long."""
         lease = self.policy.budget.lease()
@@ -293,7 +248,7 @@ class ProxyExchange:
         opened.response.on_close = lease.close
         return opened
 
-    async def _attempts(self, lease: BudgetLease) -> _Opened:
+    async def _attempts(self, lease: BudgetLease) -> Opened:
         job, rec, metrics, policy = self.job, self.job.record, self.metrics, self.policy
         failures: list[AttemptFailure] = []
         full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
@@ -327,7 +282,7 @@ class ProxyExchange:
                 rec.upstream_start = started
             ep.in_flight += 1
             metrics.pool_in_flight(pool.name).inc()
-            opened: _Opened | None = None
+            opened: Opened | None = None
             try:
                 opened = await self._attempt(pool, ep, client, headers)
             except UpstreamError as exc:
@@ -353,9 +308,7 @@ class ProxyExchange:
             return opened
         raise policy.gave_up(failures, full)
 
-    async def _attempt(
-        self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
-    ) -> _Opened:
+    async def _attempt(self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]) -> Opened:
         """One attempt up to the commit point: headers, and for a stream its first whole event.
 
         A stream must show its first event within the class's ``route.ttft_deadline_s``, else the pool's
@@ -373,7 +326,7 @@ class ProxyExchange:
 
     async def _attempt_buffered(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
-    ) -> _Opened:
+    ) -> Opened:
         job, rec = self.job, self.job.record
         body, model, _ = self._request_body(pool)
         resp = await client.post(ep, job.path, body, headers, method=job.method)
@@ -382,14 +335,14 @@ class ProxyExchange:
             body = await resp.read()
             rec.upstream_first = rec.upstream_done = time.perf_counter()
             resp.release()
-            return _Opened(pool, ep, resp, None, None, body, model=model)
+            return Opened(pool, ep, resp, None, None, body, model=model)
         except BaseException:
             resp.abort()
             raise
 
     async def _attempt_stream(
         self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]
-    ) -> _Opened:
+    ) -> Opened:
         job, rec = self.job, self.job.record
         body, model, strip = self._request_body(pool)
         resp = await client.post(ep, job.path, body, headers, method=job.method)
@@ -399,7 +352,7 @@ class ProxyExchange:
                 body = await resp.read()
                 rec.upstream_first = rec.upstream_done = time.perf_counter()
                 resp.release()
-                return _Opened(pool, ep, resp, None, None, body, model=model)
+                return Opened(pool, ep, resp, None, None, body, model=model)
             if not resp.is_event_stream:
                 body = await resp.read()
                 raise StreamStartError(
@@ -415,7 +368,7 @@ class ProxyExchange:
                         raise StreamStartError(f"error event before the first token: {events[0][:200]!r}")
                     rec.upstream_first = time.perf_counter()
                     tap = StreamTap(strip) if pool.spec.kind == "speculative" and job.dialect.asks_usage else None
-                    return _Opened(pool, ep, resp, events, splitter, None, tap, model)
+                    return Opened(pool, ep, resp, events, splitter, None, tap, model)
             except SSEOverflow as exc:
                 raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit="event_bytes") from exc
             except (UpstreamConnectError, UpstreamTimeout) as exc:
@@ -451,18 +404,7 @@ class ProxyExchange:
     def _response_headers(
         self, content_type: str, upstream: list[tuple[bytes, bytes]] | None = None
     ) -> list[tuple[bytes, bytes]]:
-        """Upstream headers as raw bytes (never decoded and re-encoded), then ours."""
-        out = [(k, v) for k, v in upstream if k != b"content-type"] if upstream else []
-        pairs = [("content-type", content_type), *self.job.extra_headers]
-        opened = self._opened
-        if opened is not None:
-            pairs.append(("x-specgate-pool", opened.pool.name))
-            pairs.append(("x-specgate-endpoint", opened.endpoint.id))
-            if opened.model is not None:
-                pairs.append(("x-specgate-model", opened.model))
-        pairs.append(("x-specgate-attempts", str(len(self.job.record.attempts))))
-        out += [(k.encode("latin-1"), v.encode("latin-1", "replace")) for k, v in pairs]
-        return out
+        return response_headers(self.job, self._opened, content_type, upstream)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         body = error_bytes(exc)
@@ -474,7 +416,7 @@ class ProxyExchange:
         self._last_send = True
         await send({"type": "http.response.body", "body": body})
 
-    async def _send_buffered(self, send: Send, opened: _Opened) -> None:
+    async def _send_buffered(self, send: Send, opened: Opened) -> None:
         resp, rec = opened.response, self.job.record
         body = opened.buffered_body or b""
         ctype = (resp.content_type or JSON_CONTENT_TYPE).encode("latin-1", "replace").decode("latin-1")
@@ -494,7 +436,7 @@ class ProxyExchange:
         if resp.status == 200 and opened.pool.spec.kind == "speculative":
             rec.spec = sample_from_body(body)
 
-    async def _relay_stream(self, send: Send, opened: _Opened) -> None:
+    async def _relay_stream(self, send: Send, opened: Opened) -> None:
         resp, rec = opened.response, self.job.record
         assert opened.first_events is not None
         assert opened.splitter is not None

@@ -18,7 +18,7 @@ from gateway.errors import BadRequest, GatewayError
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import Outcome
 from gateway.proxy.dialect import CHAT, ResponsesDialect
-from gateway.proxy.forward import ProxyExchange, ProxyJob
+from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response, parse_object, read_body
 from gateway.proxy.idempotency import (
@@ -31,6 +31,7 @@ from gateway.proxy.idempotency import (
     store_key,
     tenant_scope,
 )
+from gateway.proxy.job import ProxyJob
 from gateway.proxy.limits import check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create

@@ -33,9 +33,10 @@ from starlette.responses import Response
 from gateway.errors import Conflict, GatewayError, InvalidParameter, NoCapacity, NotFound, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
-from gateway.proxy.forward import ProxyExchange, ProxyJob
+from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
 from gateway.proxy.idempotency import tenant_scope
+from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.wire import JSON_CONTENT_TYPE
 from gateway.routing.plan import Plan

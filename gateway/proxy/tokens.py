@@ -15,8 +15,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import GatewayError, InvalidJSON, InvalidParameter, ModelNotFound
-from gateway.proxy.forward import ProxyExchange, ProxyJob
+from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
+from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import read_limited
 from gateway.proxy.wire import JSON_CONTENT_TYPE

@@ -30,7 +30,8 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
-from gateway.proxy.forward import ProxyExchange, ProxyJob
+from gateway.proxy.forward import ProxyExchange
+from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.plan import Plan
