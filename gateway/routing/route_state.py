@@ -335,7 +335,7 @@ class RoutingState:
         rate, source = self._class_rate(c, acceptance)
         cfg = c.controller.config
         out, weight = cfg.output_tokens, cfg.load_impact
-        spec_slope, std_slope = self._speeds.slopes(spec.pool, std.pool)
+        spec_slope, std_slope = self._speeds.slopes(spec.pool, std.pool, c.k)
         spec_est = estimate(
             spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
             pool_rate=pool_rate, slope_s=spec_slope, impact_weight=weight,

@@ -78,13 +78,23 @@ def test_the_batch_is_averaged_over_the_tpots_window() -> None:
     assert batches == [10.0, 2.0, 2.0, 2.0, 2.0][-len(batches) :]
 
 
-def test_an_impact_on_one_pool_only_is_no_impact() -> None:
+def test_a_pool_not_measured_yet_takes_the_other_pools_slope_scaled_by_the_work_per_sequence() -> None:
     speeds = PoolSpeeds()
+    assert speeds.slopes("spec", "std", 4) == (None, None)  # neither measured: no impact on either side
     for i, batch in enumerate((1, 3, 5, 7, 9, 11)):
         speeds.round(float(i), {"spec": view("spec", running=batch, tpot=0.01 + 0.002 * batch, rate=0.5)},
                      speculative={"spec"}, window_s=0.5)  # fmt: skip
-    assert speeds.slope("spec") is not None
-    assert speeds.slopes("spec", "std") == (None, None)
+    a = speeds.slope("spec")
+    assert a is not None
+    # the standard pool idles (its batch never varied): a sequence there computes one token a step, not 1 + k
+    assert speeds.slopes("spec", "std", 4) == (a, pytest.approx(a / 5))
+    only_std = PoolSpeeds()
+    for i, batch in enumerate((1, 3, 5, 7, 9, 11)):
+        only_std.round(float(i), {"std": view("std", running=batch, tpot=0.02 + 0.001 * batch)},
+                       speculative=(), window_s=0.5)  # fmt: skip
+    b = only_std.slope("std")
+    assert b is not None
+    assert only_std.slopes("spec", "std", 4) == (pytest.approx(5 * b), b)
 
 
 def test_the_impact_is_the_batch_beside_it_times_its_steps_times_the_slope() -> None:
