@@ -431,6 +431,17 @@ class RoutingRules(Strict):
             return None
         return (cls.route.preferred, away) if home == "speculative" else (away, cls.route.preferred)
 
+    def home_spill_limit(self, pool: str) -> int | None:
+        """In-flight requests per endpoint of ``pool`` at which the first of the classes at home there starts to
+        spill (the lowest ``route.saturation.max_inflight_per_endpoint`` among those with a ``saturated`` pool);
+        None when none spills. A class drawn onto ``pool`` from another home stops there (``plan_route``)."""
+        limits = [
+            c.route.saturation.max_inflight_per_endpoint
+            for c in self.classes
+            if c.route.preferred == pool and c.route.saturated is not None
+        ]
+        return min((n for n in limits if n is not None), default=None)
+
     def pool(self, name: str) -> Pool:
         for p in self.pools:
             if p.name == name:

@@ -35,6 +35,10 @@ Decision order in ``observe`` (the first that applies wins):
    ``1 + acceptance_weight x acceptance`` (the class's last measured rate; none measured: 1) first.
    Away steps are ``load``, home steps ``load_recovered`` (``reenabled`` for the first step onto speculative
    after the guard cleared).
+6. the order of the classes on a speculative pool (``Observation.outranked_by``, set by the routing state from
+   ``gateway.routing.order``): while a class with clearly more acceptance there is partly off it, this class
+   takes no share onto it (``holding == "order"``) and steps off it whatever its own costs say, so the pool
+   goes to the classes that gain most from it instead of two classes swapping places.
 
 While the class has never had its acceptance measured and sits wholly on standard, ``probe_share()`` sends a small
 capped share to the speculative pool (only with headroom there) so that its estimate rests on measurement.
@@ -73,7 +77,7 @@ Reason = Literal[
 REASONS: tuple[Reason, ...] = get_args(Reason)
 SAFETY_REASONS: frozenset[Reason] = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
 LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenabled"})
-Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step"]
+Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step", "order"]
 HOUR_S = 3600.0
 DAY_S = 86400.0
 STEP_MEMORY_WINDOWS = 10  # a load step this many windows after the last one starts again with a full step
@@ -335,11 +339,18 @@ class Controller:
             if direction == 0 and self._share < 1 and alt > spec / factor * away and within:
                 direction = 1
                 detail = f"standard {alt:.3g}s > {away:.3g} x speculative {spec / factor:.3g}s: cheaper there"
+        yielding = False
+        if obs.outranked_by is not None:  # the speculative pool goes to the classes that gain most there first
+            if self._share > 0:
+                direction, yielding = -1, True
+                detail = f"yields the speculative pool to {obs.outranked_by} (more acceptance, partly off it)"
+            elif direction > 0:
+                return self._hold("order")
         if direction == 0:
             self._holding = None
             return None
         fresh = self._last_step is None or now - self._last_step > STEP_MEMORY_WINDOWS * c.window_s
-        if self._direction == 0 or fresh or c.share_step >= 1.0:  # share_step 1: whole-class moves, always
+        if self._direction == 0 or fresh or c.share_step >= 1.0 or yielding:  # whole-class moves, a yield: full
             size, run = c.share_step, 1
         elif direction != self._direction:
             size, run = max(self._step / 2, c.share_step / 8), 1

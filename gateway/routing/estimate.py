@@ -212,6 +212,9 @@ class Observation:
     acceptance: float | None = None  # the class's acceptance rate (Δaccepted / Δdraft_tokens) in the window
     p95_s: float | None = None  # the class's p95 latency in the window
     stale: bool = False
+    # A class with clearly more acceptance on the same speculative pool is partly off it (gateway.routing.order):
+    # this class takes no share onto that pool and hands back what it has there first.
+    outranked_by: str | None = None
 
     @classmethod
     def from_views(

@@ -29,6 +29,9 @@ class PoolView:
     routable_endpoints: int
     in_flight: int
     drained: bool = False  # every endpoint has weight 0
+    # In flight per endpoint at which the classes at home here start to spill (RoutingRules.home_spill_limit):
+    # a class drawn here from another home goes home instead from then on. None: no limit.
+    home_spill_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,14 @@ def is_saturated(route: Route, pool: PoolView) -> bool:
     if limit is None or pool.routable_endpoints == 0:
         return False
     return pool.in_flight >= limit * pool.routable_endpoints
+
+
+def full_for_visitors(pool: PoolView | None) -> bool:
+    """The pool has as many requests in flight as its home classes take before they spill: a share of another
+    class drawn onto it goes home instead, so that visitors never push the pool's own traffic off it."""
+    if pool is None or pool.home_spill_limit is None or pool.routable_endpoints == 0:
+        return False
+    return pool.in_flight >= pool.home_spill_limit * pool.routable_endpoints
 
 
 def _per_endpoint(pool: PoolView) -> float:
@@ -132,6 +143,10 @@ def plan_route(
     a share of the class to each pool and this request drew ``<kind>``; ``controller:probe:speculative`` for a
     probe). ``candidates``: the controller's pools by kind (``RoutingRules.candidates``); without them, the pools
     of each kind among route.preferred / route.saturated.
+    A draw away from home (the candidate that is not ``route.preferred``) goes home instead while that pool is
+    full for visitors (``full_for_visitors``: as busy as its own classes take before they spill; reason
+    ``controller:<kind>:full``): otherwise a share of open chat drawn onto a busy speculative pool would push the
+    JSON and code at home there onto the standard pool, the two classes swapping places to everyone's loss.
     The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
     applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
     round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
@@ -162,6 +177,9 @@ def plan_route(
         reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
         if probe:
             reason = f"controller:probe:{route_state}"
+        if first != route.preferred and route.preferred in candidates.values() and full_for_visitors(pools.get(first)):
+            order = [route.preferred] + ([first] if first in named else [])
+            reason = f"controller:{route_state}:full"
     if (
         (candidates is None or order[0] == route.preferred)
         and route.saturated is not None

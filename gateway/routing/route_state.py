@@ -29,6 +29,10 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
 - p95: the end-to-end p95 of the class's successful requests on its speculative pool over the window
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
+Order: a class is outranked on its speculative pool while a speculative-home class there with clearly more
+acceptance is partly off it (``gateway.routing.order``, from the last round's standings); its observation says so
+and its controller takes nothing onto that pool and hands back its share there first.
+
 Probes: while a class's controller says so (``Controller.probe_share``), ``choose`` sends that share of a class
 sitting wholly on standard to the speculative pool (``specgate_controller_probes_total{class}``, the
 ``specgate_class_probe_share`` gauge, a ``controller_probe`` log line and ``on_probe`` (the audit log) when probing
@@ -71,6 +75,7 @@ from gateway.routing.estimate import (
     prior_rate,
     rate_from_per_token,
 )
+from gateway.routing.order import Standing, outranked
 
 logger = logging.getLogger("specgate.controller")
 
@@ -248,6 +253,7 @@ class RoutingState:
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
             self.adopt({})
         out: list[Transition] = []
+        ranks = outranked(self._standing(name, c) for name, c in self._classes.items())
         for name, c in self._classes.items():
             cfg = c.controller.config
             r_req, r_drafted, r_accepted = remote.get(name, (0.0, 0.0, 0.0))
@@ -281,6 +287,7 @@ class RoutingState:
                 samples=max(0, round(since_move)),
                 acceptance=acceptance,
                 p95_s=p95,
+                outranked_by=ranks.get(name),
             )
             before = c.controller.share
             t = c.controller.observe(now, windowed(c.fresh, now, cfg.window_s, obs))
@@ -293,6 +300,21 @@ class RoutingState:
                 self._step(name, before, c.controller)
             self._probe(name, c, now)
         return out
+
+    def _standing(self, name: str, c: ClassTrack) -> Standing:
+        """The class as the order of the speculative pool sees it, from its last round."""
+        ctl, spec = c.controller, c.estimates[0]
+        snap = ctl.snapshot()
+        obs = snap.last_observation
+        deciding = (
+            snap.forced_until is None
+            and not snap.guard_tripped
+            and not snap.locked
+            and obs is not None
+            and obs.samples >= ctl.config.min_samples
+        )
+        rate = None if spec is None else spec.acceptance
+        return Standing(name, c.spec_pool, rate, ctl.share, ctl.home, deciding)
 
     def _probe(self, name: str, c: ClassTrack, now: float) -> None:
         """Set the class's probe share for the next round; a log line and ``on_probe`` when it starts or stops."""
@@ -320,6 +342,7 @@ class RoutingState:
         samples: int,
         acceptance: float | None,
         p95_s: float | None,
+        outranked_by: str | None = None,
     ) -> Observation:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
             c.estimates, c.speeds = (None, None), None
@@ -354,6 +377,7 @@ class RoutingState:
             acceptance=acceptance,
             p95_s=p95_s,
             stale=spec.stale or std.stale,
+            outranked_by=outranked_by,
         )
 
     @staticmethod

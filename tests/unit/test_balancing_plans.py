@@ -49,3 +49,37 @@ def test_a_reload_that_moves_the_home_starts_the_class_at_its_new_home() -> None
     rs.set_forced({})  # syncs the controllers with the rules in force (as every round does), no observation
     assert rs.state_of("chat") == "speculative"
     assert rs.snapshot()["chat"]["share"] == 1.0
+
+
+def test_a_share_drawn_away_goes_home_while_that_pool_is_full_for_its_own_classes() -> None:
+    r = RoutingRules.model_validate(
+        {
+            "pools": [SPEC, STD],
+            "classes": [
+                {
+                    "name": "json",
+                    "when": {"temperature": {"lte": 0.1}},
+                    "route": {"preferred": "spec", "saturated": "std", "saturation": {"max_inflight_per_endpoint": 8}},
+                },
+                {"name": "chat", "route": {"preferred": "std", "fallback": ["spec"]}},
+            ],
+        }
+    )
+    assert (r.home_spill_limit("spec"), r.home_spill_limit("std")) == (8, None)
+    chat = r.classes[1].route
+    pools = {"spec": ("spec", "std"), "standard": ("std", "spec")}
+    cand = {"speculative": "spec", "standard": "std"}
+
+    def views(spec_in_flight: int) -> dict[str, PoolView]:
+        spec = PoolView("spec", "speculative", frozenset({"m"}), 2, spec_in_flight, home_spill_limit=8)
+        return {"spec": spec, "std": VIEWS["std"]}
+
+    below = plan_route(chat, "m", views(15), route_state="speculative", split=True, candidates=cand)
+    assert (below.pools, below.reason) == (pools["spec"], "controller:split:speculative")
+    full = plan_route(chat, "m", views(16), route_state="speculative", split=True, candidates=cand)
+    assert (full.pools, full.reason) == (pools["standard"], "controller:speculative:full")
+    # the pool's own classes are not visitors there: their saturation spill decides (std is less loaded here)
+    json_ = plan_route(r.classes[0].route, "m", views(15), route_state="speculative", candidates=cand)
+    assert json_.pools[0] == "spec"
+    spilled = plan_route(r.classes[0].route, "m", views(16), route_state="speculative", candidates=cand)
+    assert (spilled.pools[0], spilled.reason) == ("std", "saturated")

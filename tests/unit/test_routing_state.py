@@ -282,3 +282,48 @@ def test_without_per_request_acceptance_the_pools_counters_stand_in() -> None:
         out = rs.on_scrape_round(2.0, poor)
         assert rs.snapshot()["code"]["last_observation"]["acceptance"] == expected
         assert [(t.to_state, t.reason) for t in out] == ([("standard", "acceptance_floor")] if ran_there else [])
+
+
+def test_a_class_with_less_acceptance_yields_the_speculative_pool_to_one_with_more() -> None:
+    ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 0.25, "balance_margin": 1.05}
+    r = RoutingRules.model_validate(
+        {
+            "defaults": {"controller": ctl},
+            "pools": [
+                {
+                    "name": "spec",
+                    "kind": "speculative",
+                    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
+                    "models": ["m"],
+                    "endpoints": [{"url": "http://spec:8000"}],
+                },
+                {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]},
+            ],
+            "classes": [
+                {  # it cannot come back this minute (min_hold_s): it stays partly off the speculative pool
+                    "name": "json",
+                    "when": {"temperature": {"lte": 0.1}},
+                    "route": {"preferred": "spec"},
+                    "controller": {**ctl, "min_hold_s": 60},
+                },
+                {"name": "chat", "route": {"preferred": "std"}},
+            ],
+        }
+    )
+    rs, _ = state(r)
+    rs._classes["json"].controller._share = 0.75  # json spilled a share off the speculative pool
+    rs._classes["chat"].controller._share = 0.25  # while chat took one onto it
+    queued_std = {"spec": view("spec", running=4), "std": view("std", running=4, waiting=8)}
+    for t in (1.0, 2.5, 4.0):  # the first round gives the standings (acceptance from the temperature priors)
+        rs.choose("json", RNG, temperature=0.0)
+        rs.choose("chat", RNG, temperature=0.9)
+        rs.on_scrape_round(t, queued_std)
+    chat = rs.snapshot()["chat"]
+    assert chat["share"] == 0.0  # the speculative pool is still cheaper for chat, but json gains more there
+    last = rs._classes["chat"].controller.snapshot().last_observation
+    assert last is not None
+    assert last.outranked_by == "json"
+    json_last = rs._classes["json"].controller.snapshot().last_observation
+    assert json_last is not None
+    assert json_last.outranked_by is None
+    assert rs.snapshot()["json"]["share"] == 0.75
