@@ -9,7 +9,7 @@ traffic it speeds up most waits on the standard pool.
 
 So the speculative pool is filled in order of acceptance, as the best fixed splits fill it: a class is
 *outranked* on its speculative pool while a speculative-home class there with a clearly higher acceptance rate
-(``MARGIN``) is partly off it and deciding by load (its guard not tripped, not forced, enough samples). An
+(``MARGIN``) is partly off it (by more than ``MIN_OFF`` of its requests) and deciding by load (its guard not tripped, not forced, enough samples). An
 outranked class takes no share onto that pool and hands back what it has there first (``Controller``); once the
 better class is wholly back, the others may follow it again.
 
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from gateway.config.schema import PoolKind
 
 MARGIN = 0.1  # acceptance rates closer than this are not ordered: one noisy window must not reorder classes
+# A share this close to home is the balance steps' noise (they go down to an eighth of share_step), not a class
+# pushed off the pool: it does not make the others yield.
+MIN_OFF = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
                 or h.spec_pool != c.spec_pool
                 or h.home != "speculative"
                 or not h.deciding
-                or h.share >= 1.0
+                or h.share > 1.0 - MIN_OFF
                 or h.rate is None
                 or h.rate < c.rate + MARGIN
             ):

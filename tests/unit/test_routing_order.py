@@ -22,6 +22,7 @@ def test_a_class_is_outranked_while_a_clearly_better_speculative_home_class_is_p
     chat = standing("chat", 0.3, 0.2, home="standard")
     assert outranked([json_, chat]) == {"chat": "json"}
     assert outranked([standing("json", 0.75, 1.0), chat]) == {}  # wholly on it: the others may follow
+    assert outranked([standing("json", 0.75, 0.97), chat]) == {}  # a balance step off it is not pushed off
     # close rates are not ordered (one noisy window must not reorder classes)
     assert outranked([standing("code", 0.75 - MARGIN / 2, 0.5), standing("json", 0.75, 0.5)]) == {}
 
@@ -36,7 +37,7 @@ def test_only_classes_that_decide_by_load_and_share_the_pool_outrank() -> None:
 
 
 def test_the_best_of_several_is_named() -> None:
-    got = outranked([standing("code", 0.6, 0.5), standing("json", 0.8, 0.9), standing("chat", 0.3, 0.1)])
+    got = outranked([standing("code", 0.6, 0.5), standing("json", 0.8, 0.85), standing("chat", 0.3, 0.1)])
     assert got == {"chat": "json", "code": "json"}
 
 
