@@ -9,9 +9,9 @@ traffic it speeds up most waits on the standard pool.
 
 So the speculative pool is filled in order of acceptance, as the best fixed splits fill it: a class is
 *outranked* on its speculative pool while a speculative-home class there with a clearly higher acceptance rate
-(``MARGIN``) is partly off it (by more than ``MIN_OFF`` of its requests) and deciding by load (its guard not tripped, not forced, enough samples). An
-outranked class takes no share onto that pool and hands back what it has there first (``Controller``); once the
-better class is wholly back, the others may follow it again.
+(``MARGIN``) is off it by more than ``MIN_OFF`` of its requests and decides by load (its guard not tripped, not
+forced, enough samples). An outranked class takes no share onto that pool and hands back what it has there first
+(``Controller``); once the better class is back, the others may follow it again.
 
 Pure: standings in, a mapping out.
 """
