@@ -130,11 +130,11 @@ def target_check(points: list[Point], target: Target | None = None) -> list[str]
         lines.append(f"- within {limit:.0%} of the best homogeneous fleet's p99 E2E at every load: **{ok}**")
         at = [(r, load) for r, load in worst if any(abs(load - x) < 1e-9 for x in target.below_at)]
         if target.below_by > 0 and at:
-            shown = ", ".join(f"{load:.0%}: {-r:+.0%}" for r, load in at)
+            shown = ", ".join(f"{load:.0%}: {r:+.0%}" for r, load in at)
             ok = "MET" if all(-r >= target.below_by for r, _ in at) else "NOT MET"
             lines.append(
                 f"- at least {target.below_by:.0%} below the best homogeneous fleet's p99 E2E at "
-                f"{', '.join(f'{x:.0%}' for x in target.below_at)} load ({shown} below): **{ok}**"
+                f"{', '.join(f'{x:.0%}' for x in target.below_at)} load ({shown} against it): **{ok}**"
             )
     if "nginx" in have:
         top = loads[-1]

@@ -85,7 +85,7 @@ def test_the_target_check_uses_the_mixs_target() -> None:
     lines = target_check(points, default)
     assert "within 10% of the best homogeneous fleet's p99 E2E at every load: **NOT MET at 110% (+12%)**" in lines[0]
     assert (
-        "at least 10% below the best homogeneous fleet's p99 E2E at 50%, 70% load (50%: +5% below): **NOT MET**"
+        "at least 10% below the best homogeneous fleet's p99 E2E at 50%, 70% load (50%: -5% against it): **NOT MET**"
         in lines[1]
     )
 
