@@ -109,7 +109,22 @@ WHY = {
 }
 
 
+COMPLETION_ROWS: tuple[tuple[str, str, str, float, int], ...] = (
+    # (row label, field, unit, scale, digits)
+    ("cost", "cost_s", " s", 1.0, 3),
+    ("  expected time", "expected_s", " s", 1.0, 3),
+    ("    queue", "queue_s", " s", 1.0, 3),
+    ("    1st step", "first_token_s", " s", 1.0, 3),
+    ("    decode", "decode_s", " s", 1.0, 3),
+    ("  impact on others", "impact_s", " s", 1.0, 3),
+    ("output tokens", "output_tokens", "", 1.0, 0),
+    ("TPOT of the pool", "tpot_s", "ms", 1000.0, 1),
+    ("TPOT of the class", "class_tpot_s", "ms", 1000.0, 1),
+)
+
+
 def _completion_table(data: dict[str, Any]) -> Table | None:
+    """One column per pool, one row per term: two pools fit an 80-column terminal."""
     est = data.get("expected_completion")
     if not est:
         return None
@@ -120,37 +135,22 @@ def _completion_table(data: dict[str, Any]) -> Table | None:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for col in (
-        "pool",
-        "kind",
-        "cost",
-        "expected",
-        "impact",
-        "queue",
-        "1st step",
-        "decode",
-        "tokens",
-        "TPOT pool",
-        "TPOT class",
-        "accept",
-    ):
-        t.add_column(col, justify="left" if col in ("pool", "kind") else "right", no_wrap=True)
+    t.add_column("", justify="left", no_wrap=True)
     for name, e in est.items():
-        acc = "–" if e.get("acceptance") is None else f"{cell(e['acceptance'])} ({e.get('acceptance_source')})"
-        t.add_row(
-            escape(name),
-            escape(str(e.get("kind"))),
-            cell(e.get("cost_s", e.get("expected_s")), " s", digits=3),
-            cell(e.get("expected_s"), " s", digits=3),
-            cell(e.get("impact_s"), " s", digits=3),
-            cell(e.get("queue_s"), " s", digits=3),
-            cell(e.get("first_token_s"), " s", digits=3),
-            cell(e.get("decode_s"), " s", digits=3),
-            cell(e.get("output_tokens"), digits=0),
-            cell(e.get("tpot_s"), "ms", 1000, 1),
-            cell(e.get("class_tpot_s"), "ms", 1000, 1),
-            acc,
-        )
+        t.add_column(f"{escape(name)} ({escape(str(e.get('kind')))})", justify="right", no_wrap=True)
+    for label, key, unit, scale, digits in COMPLETION_ROWS:
+        row = [label]
+        for e in est.values():
+            value = e.get(key)
+            if key == "cost_s" and value is None:  # a gateway that reports no impact yet: its expected time
+                value = e.get("expected_s")
+            row.append(cell(value, unit, scale, digits))
+        t.add_row(*row)
+    accept = ["acceptance"]
+    for e in est.values():
+        a = e.get("acceptance")
+        accept.append("–" if a is None else f"{cell(a)} ({e.get('acceptance_source')})")
+    t.add_row(*accept)
     return t
 
 
