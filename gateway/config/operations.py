@@ -34,6 +34,9 @@ class MetricNames(Strict):
     tpot: MetricName = Field(
         "vllm:request_time_per_output_token_seconds", description="Histogram: time per output token (seconds)."
     )
+    request_generation_tokens: MetricName = Field(
+        "vllm:request_generation_tokens", description="Histogram: output tokens of each finished request."
+    )
 
 
 class Scrape(Strict):

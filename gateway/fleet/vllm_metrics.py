@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config.schema import MetricNames
 
 MAX_POSITIONS = 64  # a per-position label beyond this is ignored (K is small; a bad label must not allocate much)
+MIN_FINISHED = 3  # requests finished in a window before its mean output length is given
 
 
 class MetricsFormatError(ValueError):
@@ -55,10 +56,23 @@ class VllmSample:
     generation_tokens: float | None = None
     tpot_sum: float | None = None
     tpot_count: float | None = None
+    out_sum: float | None = None  # output tokens of the finished requests (the histogram's _sum) ...
+    out_count: float | None = None  # ... and how many finished (its _count)
     created: float | None = None  # latest ``<generation_tokens>_created``: changes when the server restarts
 
 
-_SUMMED = ("running", "waiting", "drafts", "draft_tokens", "accepted", "generation_tokens", "tpot_sum", "tpot_count")
+_SUMMED = (
+    "running",
+    "waiting",
+    "drafts",
+    "draft_tokens",
+    "accepted",
+    "generation_tokens",
+    "tpot_sum",
+    "tpot_count",
+    "out_sum",
+    "out_count",
+)
 
 
 def _sample_fields(names: MetricNames) -> dict[str, str]:
@@ -69,6 +83,8 @@ def _sample_fields(names: MetricNames) -> dict[str, str]:
         names.kv_usage: "kv_usage",
         names.tpot + "_sum": "tpot_sum",
         names.tpot + "_count": "tpot_count",
+        names.request_generation_tokens + "_sum": "out_sum",
+        names.request_generation_tokens + "_count": "out_count",
     }
     for fld in ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "generation_tokens"):
         base = str(getattr(names, fld)).removesuffix("_total")
@@ -117,6 +133,8 @@ def parse_vllm_metrics(text: str, names: MetricNames) -> VllmSample:
         generation_tokens=sums.get("generation_tokens"),
         tpot_sum=sums.get("tpot_sum"),
         tpot_count=sums.get("tpot_count"),
+        out_sum=sums.get("out_sum"),
+        out_count=sums.get("out_count"),
         created=created,
     )
 
@@ -156,6 +174,8 @@ class WindowDeltas:
     generation_tokens: float = 0.0
     tpot_sum: float = 0.0
     tpot_count: float = 0.0
+    out_sum: float = 0.0
+    out_count: float = 0.0
 
     def __add__(self, other: WindowDeltas) -> WindowDeltas:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -170,6 +190,8 @@ class WindowDeltas:
             generation_tokens=self.generation_tokens + other.generation_tokens,
             tpot_sum=self.tpot_sum + other.tpot_sum,
             tpot_count=self.tpot_count + other.tpot_count,
+            out_sum=self.out_sum + other.out_sum,
+            out_count=self.out_count + other.out_count,
         )
 
     def acceptance(self) -> Acceptance | None:
@@ -193,23 +215,22 @@ class WindowDeltas:
 
     @property
     def output_tokens_mean(self) -> float | None:
-        """Output tokens per finished request: the window's generated tokens over its TPOT observations (vLLM
-        observes one per finished request). Tokens of requests still running count too, so it runs a little high
-        while the load rises; None without a finished request."""
-        return self.generation_tokens / self.tpot_count if self.tpot_count > 0 else None
+        """Output tokens per request that finished in the window (vLLM's per-request histogram of generated
+        tokens); None until ``MIN_FINISHED`` requests finished in it (a mean of one or two is noise)."""
+        return self.out_sum / self.out_count if self.out_count >= MIN_FINISHED else None
 
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
     t: float
-    counters: tuple[float, ...]  # drafts, draft_tokens, accepted, generation_tokens, tpot_sum, tpot_count
+    counters: tuple[float, ...]  # drafts, draft_tokens, accepted, generation_tokens, tpot sum/count, out sum/count
     per_pos: tuple[float, ...]
     created: float | None
 
     @classmethod
     def of(cls, sample: VllmSample, t: float) -> _Snapshot:
         values = (sample.drafts, sample.draft_tokens, sample.accepted, sample.generation_tokens)
-        counters = (*values, sample.tpot_sum, sample.tpot_count)
+        counters = (*values, sample.tpot_sum, sample.tpot_count, sample.out_sum, sample.out_count)
         return cls(t, tuple(0.0 if v is None else v for v in counters), sample.accepted_per_pos, sample.created)
 
     def is_reset_of(self, prev: _Snapshot) -> bool:
@@ -234,6 +255,8 @@ class _Snapshot:
             generation_tokens=d[3],
             tpot_sum=d[4],
             tpot_count=d[5],
+            out_sum=d[6],
+            out_count=d[7],
         )
 
 

@@ -11,10 +11,11 @@ half as big, down to 1/8 of ``share_step``, so the share homes in on the balance
 third step in a row in one direction is twice as big again, up to ``share_step``, and the first step after
 ``STEP_MEMORY_WINDOWS`` quiet windows is a full one, so a real change in load is followed quickly. The state is a
 label of the share: ``speculative`` (1), ``split`` (between) or ``standard`` (0). Under sustained load the share
-settles where the two pools' expected delays are within the hysteresis band, instead of the class alternating
-between the pools (moving it whole makes the other pool the loaded one). ``share_step: 1`` moves it whole.
+settles where the two pools' costs meet (within ``balance_margin``; without it, anywhere within the hysteresis
+band), instead of the class alternating between the pools (moving it whole makes the other pool the loaded one).
+``share_step: 1`` moves it whole.
 
-Decision order in ``observe`` (the first that applies wins):
+Decision order in ``observe`` (the first that applies wins; 6 overrides the direction 5 chose):
 
 1. forced by on-call (``force`` with a TTL): no change.
 2. stale or missing data (a stale pool, no delay estimate, a queue/batch limit without its number) → the configured
@@ -29,7 +30,9 @@ Decision order in ``observe`` (the first that applies wins):
 5. load, with hysteresis, on the class's expected completion times (``gateway.routing.estimate``), relative to
    its HOME (``home``: its route.preferred kind; share 1 is home for a speculative home, 0 for a standard one): one
    step away from home when home's time > the other pool's x exit ratio; one step back when home's < the other's
-   x enter ratio; in between nothing changes, so with equal times a class at home stays home. A step onto the
+   x enter ratio; in between nothing changes, so with equal times a class at home stays home. A share already
+   away from home (with ``balance_margin`` and ``share_step`` < 1) moves on toward the pool that is cheaper by more
+   than ``balance_margin``, both ways, instead of the enter ratio. A step onto the
    speculative pool also needs queue/batch within the enter limits; above an exit limit a share leaves it when
    the standard pool is faster (never onto a slower pool). The speculative time is divided by
    ``1 + acceptance_weight x acceptance`` (the class's last measured rate; none measured: 1) first.

@@ -90,6 +90,7 @@ def decide(
         candidates=None if choice is None or not choice.pools else dict(choice.pools),
         probe=choice is not None and choice.why == "probe",
         speeds=None if choice is None else choice.speeds,
+        visitor=choice is not None and choice.why == "spill",
     )
     return Decision(
         c.traffic_class.name,

@@ -8,8 +8,8 @@ Pure: numbers in, numbers out. Per fresh endpoint of the pool, with ``r`` runnin
     expected_s    = queue_s + first_token_s + decode_s
 
 ``tpot`` is the pool's measured mean time per output token (it already reflects its batch size);
-``pool_output_tokens`` the output tokens of the requests the pool finished in the scrape window (generated tokens
-over finished requests; ``DEFAULT_OUTPUT_TOKENS`` before any finished): the requests ahead in its queue are the
+``pool_output_tokens`` the output tokens of the requests the pool finished in the scrape window (vLLM's
+per-request histogram; ``DEFAULT_OUTPUT_TOKENS`` before a few finished): the requests ahead in its queue are the
 pool's own traffic, not this class's. On a standard
 pool every request of the class decodes at that speed. On a speculative pool one engine step emits ``1 + rate x K``
 tokens per request on average (``rate``: vLLM's acceptance rate, accepted / draft tokens; ``K``: draft tokens per
@@ -79,10 +79,16 @@ def expected_delay(
     return waiting * queued_tokens(view) * tpot / max(running, 1.0) + tpot + decode
 
 
+MAX_QUEUED_TOKENS = 16 * DEFAULT_OUTPUT_TOKENS  # a mean beyond this is not trusted (a cluster snapshot is input)
+
+
 def queued_tokens(view: PoolLoadView) -> float:
-    """Output tokens of one request in the pool's queue: the pool's measured mean, else ``DEFAULT_OUTPUT_TOKENS``."""
+    """Output tokens of one request in the pool's queue: the pool's measured mean (at most ``MAX_QUEUED_TOKENS``),
+    else ``DEFAULT_OUTPUT_TOKENS``."""
     mean = view.output_tokens_mean
-    return mean if mean is not None and math.isfinite(mean) and mean >= 1.0 else DEFAULT_OUTPUT_TOKENS
+    if mean is None or not math.isfinite(mean) or mean < 1.0:
+        return DEFAULT_OUTPUT_TOKENS
+    return min(mean, MAX_QUEUED_TOKENS)
 
 
 def per_token_acceptance(temperature: float) -> float:

@@ -55,7 +55,7 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
                 or h.spec_pool != c.spec_pool
                 or h.home != "speculative"
                 or not h.deciding
-                or h.share > 1.0 - MIN_OFF
+                or h.share > 1.0 - MIN_OFF - 1e-9  # off by more than MIN_OFF: a share of 0.9 is not
                 or h.rate is None
                 or h.rate < c.rate + MARGIN
             ):

@@ -134,6 +134,7 @@ def plan_route(
     candidates: Mapping[str, str] | None = None,
     probe: bool = False,
     speeds: Mapping[str, float] | None = None,
+    visitor: bool = False,
 ) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
@@ -143,10 +144,11 @@ def plan_route(
     a share of the class to each pool and this request drew ``<kind>``; ``controller:probe:speculative`` for a
     probe). ``candidates``: the controller's pools by kind (``RoutingRules.candidates``); without them, the pools
     of each kind among route.preferred / route.saturated.
-    A draw away from home (the candidate that is not ``route.preferred``) goes home instead while that pool is
-    full for visitors (``full_for_visitors``: as busy as its own classes take before they spill; reason
-    ``controller:<kind>:full``): otherwise a share of open chat drawn onto a busy speculative pool would push the
-    JSON and code at home there onto the standard pool, the two classes swapping places to everyone's loss.
+    ``visitor``: the controller drew the pool away from home by load (its share, not a probe, a force, the guard
+    or the safe state); such a draw goes home instead while that pool is full for visitors
+    (``full_for_visitors``: as busy as its own classes take before they spill; reason ``controller:<kind>:full``):
+    otherwise a share of open chat drawn onto a busy speculative pool would push the JSON and code at home there
+    onto the standard pool, the two classes swapping places to everyone's loss.
     The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
     applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
     round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
@@ -177,7 +179,7 @@ def plan_route(
         reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
         if probe:
             reason = f"controller:probe:{route_state}"
-        if first != route.preferred and route.preferred in candidates.values() and full_for_visitors(pools.get(first)):
+        if visitor and first != route.preferred and full_for_visitors(pools.get(first)):
             order = [route.preferred] + ([first] if first in named else [])
             reason = f"controller:{route_state}:full"
     if (

@@ -67,7 +67,7 @@ from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
-from gateway.routing.controller import Controller, Observation, RouteState, Transition
+from gateway.routing.controller import LOAD_REASONS, Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
     estimate,
@@ -306,11 +306,13 @@ class RoutingState:
         ctl, spec = c.controller, c.estimates[0]
         snap = ctl.snapshot()
         obs = snap.last_observation
-        deciding = (
+        deciding = (  # off the pool by load, not by a safety move, a force or stale measurements
             snap.forced_until is None
             and not snap.guard_tripped
             and not snap.locked
+            and snap.last_reason in LOAD_REASONS
             and obs is not None
+            and not obs.stale
             and obs.samples >= ctl.config.min_samples
         )
         rate = None if spec is None else spec.acceptance

@@ -74,10 +74,13 @@ def test_a_share_drawn_away_goes_home_while_that_pool_is_full_for_its_own_classe
         spec = PoolView("spec", "speculative", frozenset({"m"}), 2, spec_in_flight, home_spill_limit=8)
         return {"spec": spec, "std": VIEWS["std"]}
 
-    below = plan_route(chat, "m", views(15), route_state="speculative", split=True, candidates=cand)
+    below = plan_route(chat, "m", views(15), route_state="speculative", split=True, candidates=cand, visitor=True)
     assert (below.pools, below.reason) == (pools["spec"], "controller:split:speculative")
-    full = plan_route(chat, "m", views(16), route_state="speculative", split=True, candidates=cand)
+    full = plan_route(chat, "m", views(16), route_state="speculative", split=True, candidates=cand, visitor=True)
     assert (full.pools, full.reason) == (pools["standard"], "controller:speculative:full")
+    # a draw that is not the class's share by load (an on-call force, the guard, a probe) goes where it was sent
+    sent = plan_route(chat, "m", views(16), route_state="speculative", candidates=cand)
+    assert sent.pools[0] == "spec"
     # the pool's own classes are not visitors there: their saturation spill decides (std is less loaded here)
     json_ = plan_route(r.classes[0].route, "m", views(15), route_state="speculative", candidates=cand)
     assert json_.pools[0] == "spec"

@@ -123,6 +123,8 @@ def test_expected_delay() -> None:
     assert expected_delay(view(16, 8, fresh=2, out_mean=300), 0.05, output_tokens=100) == pytest.approx(3.0 + 2.02)
     assert expected_delay(view(16, 8, fresh=2, out_mean=None), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
     assert expected_delay(view(16, 8, fresh=2, out_mean=0.0), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
+    # a mean no server reports (a corrupt cluster snapshot) is capped at 16 x 256 tokens
+    assert expected_delay(view(16, 8, fresh=2, out_mean=1e300), 0.05, output_tokens=100) == pytest.approx(40.96 + 2.02)
     # no TPOT measured in the window: the fallback
     assert expected_delay(view(0, 0, tpot=None), 0.05, output_tokens=100) == pytest.approx(0.05 + 5.0)
     # stale: unknown, not 0

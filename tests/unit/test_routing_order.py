@@ -23,6 +23,7 @@ def test_a_class_is_outranked_while_a_clearly_better_speculative_home_class_is_p
     assert outranked([json_, chat]) == {"chat": "json"}
     assert outranked([standing("json", 0.75, 1.0), chat]) == {}  # wholly on it: the others may follow
     assert outranked([standing("json", 0.75, 0.97), chat]) == {}  # a balance step off it is not pushed off
+    assert outranked([standing("json", 0.75, 0.9), chat]) == {}  # a tenth off is not more than a tenth
     # close rates are not ordered (one noisy window must not reorder classes)
     assert outranked([standing("code", 0.75 - MARGIN / 2, 0.5), standing("json", 0.75, 0.5)]) == {}
 

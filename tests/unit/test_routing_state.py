@@ -311,7 +311,8 @@ def test_a_class_with_less_acceptance_yields_the_speculative_pool_to_one_with_mo
         }
     )
     rs, _ = state(r)
-    rs._classes["json"].controller._share = 0.75  # json spilled a share off the speculative pool
+    rs._classes["json"].controller._share = 0.75  # json spilled a share off the speculative pool, by load
+    rs._classes["json"].controller._last_reason = "load"
     rs._classes["chat"].controller._share = 0.25  # while chat took one onto it
     queued_std = {"spec": view("spec", running=4), "std": view("std", running=4, waiting=8)}
     for t in (1.0, 2.5, 4.0):  # the first round gives the standings (acceptance from the temperature priors)

@@ -58,6 +58,7 @@ def test_parse_the_simulators_exposition() -> None:
     assert s.generation_tokens == 120
     assert s.tpot_count == 2
     assert s.tpot_sum == pytest.approx(1.0 / 40 + 3.0 / 100)
+    assert (s.out_sum, s.out_count) == (41 + 101, 2)  # the per-request histogram of generated tokens
     assert s.created is not None  # the _created gauge of generation_tokens
     assert parse_vllm_metrics_bytes(text.encode(), NAMES) == s
 
@@ -148,6 +149,7 @@ def sample(
     waiting: float = 0,
     tpot: tuple[float, float] = (0.0, 0.0),
     gen: float = 0,
+    out: tuple[float, float] = (0.0, 0.0),
     created: float | None = None,
     spec: bool = True,
 ) -> VllmSample:
@@ -162,6 +164,8 @@ def sample(
         generation_tokens=gen,
         tpot_sum=tpot[0],
         tpot_count=tpot[1],
+        out_sum=out[0],
+        out_count=out[1],
         created=created,
     )
 
@@ -174,9 +178,9 @@ def endpoint(**kw: Any) -> EndpointLoad:
 
 def test_acceptance_from_counter_deltas_over_the_window() -> None:
     ep = endpoint()
-    ep.record(sample(1000, 4000, 3000, (900, 800, 700, 600), tpot=(10.0, 100), gen=5000), now=0.0)
+    ep.record(sample(1000, 4000, 3000, (900, 800, 700, 600), tpot=(10.0, 100), gen=5000, out=(9000, 90)), now=0.0)
     assert ep.acceptance(0.0) is None  # one snapshot: no window yet
-    ep.record(sample(1100, 4400, 3200, (990, 860, 750, 600), tpot=(12.0, 120), gen=5300), now=2.0)
+    ep.record(sample(1100, 4400, 3200, (990, 860, 750, 600), tpot=(12.0, 120), gen=5300, out=(12000, 110)), now=2.0)
     acc = ep.acceptance(2.0)
     assert acc is not None
     assert acc.rate == pytest.approx(200 / 400)
@@ -187,12 +191,20 @@ def test_acceptance_from_counter_deltas_over_the_window() -> None:
     d = ep.deltas(2.0)
     assert d is not None
     assert d.generation_tokens_per_s == pytest.approx(300 / 2)
-    assert d.output_tokens_mean == pytest.approx(300 / 20)  # 300 tokens, 20 requests finished (TPOT observations)
+    assert d.output_tokens_mean == pytest.approx(3000 / 20)  # 20 requests finished with 3000 tokens between them
 
     # The window slides: the base is the last snapshot at or before now - window_s.
     for t in (4.0, 6.0, 8.0, 10.0, 12.0):
         ep.record(
-            sample(1100 + 100 * t, 4400 + 400 * t, 3200 + 300 * t, (990, 860, 750, 600), tpot=(12.0, 120), gen=5300),
+            sample(
+                1100 + 100 * t,
+                4400 + 400 * t,
+                3200 + 300 * t,
+                (990, 860, 750, 600),
+                tpot=(12.0, 120),
+                gen=5300,
+                out=(12000, 110),
+            ),
             now=t,
         )
     assert ep.resets == 0
@@ -216,6 +228,12 @@ def test_no_drafts_means_no_acceptance_never_zero() -> None:
     assert idle.tpot_mean_s(2.0) is None
     d = idle.deltas(2.0)
     assert d is None or d.output_tokens_mean is None  # nothing finished: unknown, never 0
+    few = endpoint()
+    few.record(sample(spec=False, out=(100, 1)), now=0.0)
+    few.record(sample(spec=False, out=(600, 3)), now=2.0)  # two finished in the window: too few for a mean
+    d = few.deltas(2.0)
+    assert d is not None
+    assert d.output_tokens_mean is None
 
 
 def test_a_counter_reset_starts_a_new_baseline() -> None:
