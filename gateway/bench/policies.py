@@ -33,9 +33,11 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -333,6 +335,20 @@ def _printed(line: str) -> None:
     print(line, flush=True)
 
 
+def _follow_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """A policy process's initializer: when the sweep that started it dies (killed, not interrupted), stop this
+    policy as Ctrl-C would (its servers and gateway are stopped in ``run_policy``'s ``finally``) instead of
+    running on as an orphan whose load generator finds other sweeps' servers on reused ports."""
+
+    def watch() -> None:
+        time.sleep(poll_s)
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal: it wakes a sleeping main thread or event loop
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
+
+
 def _policy_job(
     policy: str, rules: dict[str, Any], mix: Mix, loads: list[float], capacity: float, setup: Setup, jsonl: Path
 ) -> list[Point]:
@@ -350,7 +366,8 @@ def _run_parallel(
     for part in parts.values():
         part.unlink(missing_ok=True)  # an earlier sweep's, in the same folder
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(policies)), mp_context=ctx) as pool:
+    workers = min(jobs, len(policies))
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_follow_parent, initargs=(os.getpid(),)) as pool:
         futures = [
             pool.submit(_policy_job, p, rules[p], mix, loads, capacity, setup, parts[p]) for p in policies
         ]  # fmt: skip

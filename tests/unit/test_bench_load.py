@@ -328,3 +328,21 @@ def test_the_report_shows_where_the_adaptive_policy_put_each_request_class() -> 
     assert "| offered load | chat | json |" in lines
     assert lines.index("| 10% | 0.80 | 1.00 |") < lines.index("| 70% | 0.25 | 1.00 |")  # by load, adaptive only
     assert class_shares([points[2]]) == []
+
+
+def test_a_policy_process_stops_when_the_sweep_that_started_it_is_gone() -> None:
+    import subprocess
+    import sys
+
+    # a child whose "parent" pid is not its parent: the watcher interrupts its main thread at once
+    code = (
+        "import time\n"
+        "from gateway.bench.policies import _follow_parent\n"
+        "_follow_parent(-1, poll_s=0.01)\n"
+        "try:\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.strip() == "stopped", done.stderr
