@@ -13,18 +13,9 @@ from hypothesis import strategies as st
 
 from gateway.config.schema import ControllerConfig, PoolKind
 from gateway.routing.controller import Controller, Observation
+from tests.unit.test_controller_symmetric import BASE as SYMMETRIC
 
-BASE: dict[str, Any] = {
-    "window_s": 10.0,
-    "min_samples": 5,
-    "exit_margin": 1.25,
-    "enter_margin": 0.9,
-    "balance_margin": 1.05,
-    "acceptance_weight": 0.0,
-    "min_hold_s": 0.0,
-    "max_changes_per_hour": 100,
-    "share_step": 0.25,
-}
+BASE: dict[str, Any] = {**SYMMETRIC, "balance_margin": 1.05}
 HOME_SHARE = {"speculative": 1.0, "standard": 0.0}
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gateway.config.schema import ControllerConfig, PoolKind
 from gateway.routing.controller import Controller, Observation
 from gateway.routing.order import MARGIN, Standing, outranked
+from tests.unit.test_controller_balance import BASE
 
 
 def standing(name: str, rate: float | None, share: float, home: PoolKind = "speculative", **kw: Any) -> Standing:
@@ -40,19 +41,6 @@ def test_only_classes_that_decide_by_load_and_share_the_pool_outrank() -> None:
 def test_the_best_of_several_is_named() -> None:
     got = outranked([standing("code", 0.6, 0.5), standing("json", 0.8, 0.85), standing("chat", 0.3, 0.1)])
     assert got == {"chat": "json", "code": "json"}
-
-
-BASE: dict[str, Any] = {
-    "window_s": 10.0,
-    "min_samples": 5,
-    "exit_margin": 1.25,
-    "enter_margin": 0.9,
-    "balance_margin": 1.05,
-    "acceptance_weight": 0.0,
-    "min_hold_s": 0.0,
-    "max_changes_per_hour": 100,
-    "share_step": 0.25,
-}
 
 
 def ob(spec: float, std: float, by: str | None = None) -> Observation:

@@ -15,22 +15,24 @@ from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.route_state import RoutingState
 
+POOLS: list[dict[str, Any]] = [
+    {
+        "name": "spec",
+        "kind": "speculative",
+        "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
+        "models": ["m"],
+        "endpoints": [{"url": "http://spec:8000"}],
+    },
+    {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]},
+]
+
 
 def rules(controller: dict[str, Any] | None = None, **route: Any) -> RoutingRules:
     ctl = {"window_s": 1, "min_samples": 1, "min_hold_s": 0, "share_step": 1, **(controller or {})}
     return RoutingRules.model_validate(
         {
             "defaults": {"controller": None},  # only "code" has a controller; "default" keeps its static route
-            "pools": [
-                {
-                    "name": "spec",
-                    "kind": "speculative",
-                    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
-                    "models": ["m"],
-                    "endpoints": [{"url": "http://spec:8000"}],
-                },
-                {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]},
-            ],
+            "pools": POOLS,
             "classes": [
                 {"name": "code", "when": {"task_type": {"in": ["code"]}}, "route": route, "controller": ctl},
                 {"name": "default", "route": {"preferred": "std"}},
@@ -289,16 +291,7 @@ def test_a_class_with_less_acceptance_yields_the_speculative_pool_to_one_with_mo
     r = RoutingRules.model_validate(
         {
             "defaults": {"controller": ctl},
-            "pools": [
-                {
-                    "name": "spec",
-                    "kind": "speculative",
-                    "speculative": {"method": "eagle3", "num_speculative_tokens": 4},
-                    "models": ["m"],
-                    "endpoints": [{"url": "http://spec:8000"}],
-                },
-                {"name": "std", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std:8000"}]},
-            ],
+            "pools": POOLS,
             "classes": [
                 {  # it cannot come back this minute (min_hold_s): it stays partly off the speculative pool
                     "name": "json",
