@@ -13,7 +13,7 @@ So the speculative pool is filled in order of acceptance, as the best fixed spli
 forced, enough samples). An outranked class takes no share onto that pool and hands back what it has there first
 (``Controller``); once the better class is back, the others may follow it again.
 
-Pure: standings in, a mapping out.
+Pure: standings in, a mapping out (``standing_of`` reads one from a class's controller and last estimate).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.config.schema import PoolKind
+from gateway.routing.controller import LOAD_REASONS, Controller
+from gateway.routing.estimate import Estimate
 
 MARGIN = 0.1  # acceptance rates closer than this are not ordered: one noisy window must not reorder classes
 # A share this close to home is the balance steps' noise (they go down to an eighth of share_step), not a class
@@ -65,3 +67,21 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
         if best is not None:
             out[c.name] = best.name
     return out
+
+
+def standing_of(name: str, spec_pool: str, controller: Controller, spec_estimate: Estimate | None) -> Standing:
+    """The class as the order sees it, from its controller's last round and its last speculative estimate: it
+    decides by load unless forced, held by its guard, moved last by a safety move, stale or short of samples."""
+    snap = controller.snapshot()
+    obs = snap.last_observation
+    deciding = (
+        snap.forced_until is None
+        and not snap.guard_tripped
+        and not snap.locked
+        and snap.last_reason in LOAD_REASONS
+        and obs is not None
+        and not obs.stale
+        and obs.samples >= controller.config.min_samples
+    )
+    rate = None if spec_estimate is None else spec_estimate.acceptance
+    return Standing(name, spec_pool, rate, controller.share, controller.home, deciding)

@@ -67,7 +67,7 @@ from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
-from gateway.routing.controller import LOAD_REASONS, Controller, Observation, RouteState, Transition
+from gateway.routing.controller import Controller, Observation, RouteState, Transition
 from gateway.routing.estimate import (
     AcceptanceSource,
     estimate,
@@ -75,7 +75,7 @@ from gateway.routing.estimate import (
     prior_rate,
     rate_from_per_token,
 )
-from gateway.routing.order import Standing, outranked
+from gateway.routing.order import outranked, standing_of
 
 logger = logging.getLogger("specgate.controller")
 
@@ -253,7 +253,9 @@ class RoutingState:
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
             self.adopt({})
         out: list[Transition] = []
-        ranks = outranked(self._standing(name, c) for name, c in self._classes.items())
+        ranks = outranked(
+            standing_of(name, c.spec_pool, c.controller, c.estimates[0]) for name, c in self._classes.items()
+        )
         for name, c in self._classes.items():
             cfg = c.controller.config
             r_req, r_drafted, r_accepted = remote.get(name, (0.0, 0.0, 0.0))
@@ -300,23 +302,6 @@ class RoutingState:
                 self._step(name, before, c.controller)
             self._probe(name, c, now)
         return out
-
-    def _standing(self, name: str, c: ClassTrack) -> Standing:
-        """The class as the order of the speculative pool sees it, from its last round."""
-        ctl, spec = c.controller, c.estimates[0]
-        snap = ctl.snapshot()
-        obs = snap.last_observation
-        deciding = (  # off the pool by load, not by a safety move, a force or stale measurements
-            snap.forced_until is None
-            and not snap.guard_tripped
-            and not snap.locked
-            and snap.last_reason in LOAD_REASONS
-            and obs is not None
-            and not obs.stale
-            and obs.samples >= ctl.config.min_samples
-        )
-        rate = None if spec is None else spec.acceptance
-        return Standing(name, c.spec_pool, rate, ctl.share, ctl.home, deciding)
 
     def _probe(self, name: str, c: ClassTrack, now: float) -> None:
         """Set the class's probe share for the next round; a log line and ``on_probe`` when it starts or stops."""
