@@ -157,6 +157,15 @@ class StoreContract:
         assert await store.recall("resp:a") == b"newer"
         assert await store.recall("resp:b") is None
 
+    async def test_forget_drops_a_remembered_value(self, store: Store) -> None:
+        await store.remember("resp:f", b"v", ttl_ms=TTL_MS)
+        await store.remember("resp:g", b"w", ttl_ms=TTL_MS)
+        assert await store.forget("resp:f") is True
+        assert await store.recall("resp:f") is None
+        assert await store.forget("resp:f") is False  # gone: a second forget finds nothing
+        assert await store.forget("resp:never") is False
+        assert await store.recall("resp:g") == b"w"  # the others stay
+
     async def test_remembered_values_are_binary_safe(self, store: Store) -> None:
         await store.remember("resp:k", BODIES["non-utf8"], ttl_ms=TTL_MS)
         assert await store.recall("resp:k") == BODIES["non-utf8"]

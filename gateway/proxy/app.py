@@ -5,7 +5,7 @@
     GatewayApp(scope)
     ├── POST to a path of PROXY_ROUTES  -> intake.admit -> ProxyExchange (forward.py)     plain ASGI, no router
     ├── another method on such a path   -> 405 envelope
-    └── anything else (GET /v1/models, GET /v1/responses/{id}, /health, /ready, /metrics,   Starlette
+    └── anything else (GET /v1/models, GET/DELETE /v1/responses/{id}, /health, /ready, /metrics, Starlette
         404s, lifespan)
 
 Errors on both ways in are rendered by ``gateway.proxy.http.error_response``. To forward one more POST path to the
@@ -34,7 +34,7 @@ from gateway.config.settings import Settings
 from gateway.observability.metrics import CONTENT_TYPE, multiprocess_dir
 from gateway.proxy.http import error_response, exception_handlers, is_bug, json_response
 from gateway.proxy.intake import ProxyRoute, admit
-from gateway.proxy.responses import cancel_response, retrieve_response
+from gateway.proxy.responses import cancel_response, delete_response, retrieve_response
 from gateway.proxy.stall import remember_transport
 from gateway.proxy.tokens import detokenize, tokenize
 from gateway.runtime.container import Runtime
@@ -193,6 +193,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> GatewayApp
 
     routes = [
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

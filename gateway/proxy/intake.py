@@ -33,6 +33,7 @@ from gateway.proxy.idempotency import (
 )
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.limits import check_json_depth
+from gateway.proxy.owned_ids import with_response_id, without_request_id
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER, Endpoint
@@ -157,6 +158,12 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         rec.finish("gateway_error", rt.metrics, rt.access_log)
         raise
     rec.temperature_band = temperature_band(body.get("temperature"))
+    # The ids the pool keeps things under are the gateway's (after the Idempotency-Key's fingerprint, which is the
+    # client's body): the minted response id, and no client request_id anywhere else.
+    if sticky.response_id:
+        raw, body = with_response_id(body, sticky.response_id)
+    else:
+        raw, body = without_request_id(raw, body)
     job = ProxyJob(
         path=path,
         body=raw,

@@ -1,21 +1,29 @@
-"""The Responses API's state on the pools: which endpoint holds a response, and sending its follow-ups there.
+"""The Responses API's state on the pools: who owns a response, which endpoint holds it, and sending its follow-ups
+there.
 
-vLLM keeps a stored response (and the conversation behind it) in the memory of the one server that made it. So:
+vLLM keeps a stored response (and the conversation behind it) in the memory of the one server that made it, under
+the id the request named, in one store shared by all of that server's callers. So:
 
-- When ``POST /v1/responses`` is answered 200 and the request did not say ``store: false``, the gateway records
-  response id → pool, endpoint and URL in the store (``remember``: memory, or Redis shared by every replica), for
-  ``idempotency.ttl_s``, before the client sees the answer (a stream: once its ``response.created`` event arrived).
+- Every id is the gateway's: ``POST /v1/responses`` goes out with a ``request_id`` the gateway minted
+  (``gateway.proxy.owned_ids``), whatever the client sent, so no client can name, read or overwrite another's.
+- When that request is answered 200 and did not say ``store: false``, the gateway records response id → pool,
+  endpoint and URL in the store (``remember``: memory, or Redis shared by every replica), for ``idempotency.ttl_s``,
+  before the client sees the answer (a stream: once its ``response.created`` event arrived), and only when the
+  answer carries the minted id.
 - A request with ``previous_response_id``, and ``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel``, go
   to that endpoint and only there: one attempt, no fallback to another endpoint or pool (which would not know the
   conversation). It is tried while it passes its health checks, drained or not: a drain stops new conversations,
   not the ones it holds.
-- No record (an unknown id, one older than the TTL, one of another API key, one created with ``store: false``):
-  404 ``response_not_found``. The endpoint left the config: 409 ``response_endpoint_gone``. It fails its health
-  checks: 503 ``response_endpoint_unavailable`` with ``Retry-After`` (it may come back). The store cannot be read:
-  503 ``response_store_unavailable``. None of these ever sends the request elsewhere.
+- ``DELETE /v1/responses/{id}`` drops the caller's record and answers OpenAI's deletion object; vLLM 0.33 has no
+  route to delete a stored response, so nothing is sent to the pool, and the id resolves no more.
+- No record (an unknown id, one older than the TTL, one of another API key, one created with ``store: false``, one
+  deleted): 404 ``response_not_found``, the same answer whichever it is. The endpoint left the config: 409
+  ``response_endpoint_gone``. It fails its health checks: 503 ``response_endpoint_unavailable`` with
+  ``Retry-After`` (it may come back). The store cannot be read: 503 ``response_store_unavailable``. None of these
+  ever sends the request elsewhere.
 
 Records are scoped like Idempotency-Keys: the store key is a hash of the caller's bearer token and the response id,
-so one API key can neither read nor continue another's responses through the gateway.
+so one API key can neither see, read, continue, cancel nor delete another's responses through the gateway.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
 from gateway.proxy.idempotency import tenant_scope
 from gateway.proxy.job import ProxyJob
+from gateway.proxy.owned_ids import mint_response_id
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.wire import JSON_CONTENT_TYPE
 from gateway.routing.plan import Plan
@@ -77,9 +86,14 @@ class ResponseStoreUnavailable(NoCapacity):
     default_code = "response_store_unavailable"
 
 
+# The records' key prefix. Records written before the gateway minted every id (under "resp:") may name ids a client
+# chose, which another client may have overwritten on the pool since: they are never read, and expire on their own.
+RECORD_PREFIX = "resp-owned:"
+
+
 def record_key(scope: bytes, response_id: str) -> str:
     """The store key of one caller's response id (fixed length; reveals neither)."""
-    return "resp:" + hashlib.sha256(scope + b"\0" + response_id.encode()).hexdigest()
+    return RECORD_PREFIX + hashlib.sha256(scope + b"\0" + response_id.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +122,23 @@ def _no_retry() -> dict[str, str]:
     return {"x-should-retry": "false"}
 
 
+def _not_found(response_id: str, param: str) -> ResponseNotFound:
+    """The one answer for every id the caller has no record of, whatever the reason (another API key's included:
+    an id's existence is never revealed to anyone but its owner)."""
+    return ResponseNotFound(
+        f"Response with id '{response_id[:256]}' not found: this gateway has no record of it for this API key "
+        "(unknown, deleted, older than the record's TTL, created with store: false, or by another API key).",
+        param=param,
+        headers=_no_retry(),
+    )
+
+
 async def locate(
     store: Store, pools: Mapping[str, PoolState], scope: bytes, response_id: str, *, param: str
 ) -> tuple[PoolState, EndpointState]:
     """The pool and endpoint holding ``response_id`` for this caller, or the error that says why there is none."""
     if not valid_response_id(response_id):
-        raise ResponseNotFound(f"Response with id {response_id[:64]!r} not found.", param=param, headers=_no_retry())
+        raise _not_found(response_id, param)
     try:
         raw = await store.recall(record_key(scope, response_id))
     except StoreUnavailable as exc:
@@ -122,12 +147,7 @@ async def locate(
         ) from exc
     holder = Holder.decode(raw) if raw is not None else None
     if holder is None:
-        raise ResponseNotFound(
-            f"Response with id '{response_id}' not found: this gateway has no record of it (unknown, older than the "
-            "record's TTL, created with store: false, or by another API key).",
-            param=param,
-            headers=_no_retry(),
-        )
+        raise _not_found(response_id, param)
     pool = pools.get(holder.pool)
     ep = next((e for e in pool.endpoints if e.id == holder.endpoint and e.url == holder.url), None) if pool else None
     if pool is None or ep is None:
@@ -147,14 +167,22 @@ async def locate(
     return pool, ep
 
 
-def recorder(store: Store, scope: bytes, ttl_ms: int) -> OnAnswer:
-    """What records a 200 answer's response id (``ProxyJob.on_answer``). A store failure is logged, never raised:
+def recorder(store: Store, scope: bytes, ttl_ms: int, minted: str) -> OnAnswer:
+    """What records a 200 answer's response id (``ProxyJob.on_answer``): only ``minted``, the id the gateway sent.
+    An answer under another id (a pool that did not take the request's ``request_id``) is logged and not recorded:
+    its follow-ups get 404 rather than an id the gateway did not choose. A store failure is logged, never raised:
     the answer still goes out, and only its follow-ups will find no record."""
 
     async def on_answer(pool: PoolState, ep: EndpointState, payload: bytes) -> None:
         rid = response_id_of(payload)
-        if rid is None or not valid_response_id(rid):
-            logger.warning("a Responses API answer from %s/%s carried no usable response id", pool.name, ep.id)
+        if rid != minted:
+            logger.warning(
+                "a Responses API answer from %s/%s carried the id %r instead of the gateway's %s: not recorded",
+                pool.name,
+                ep.id,
+                None if rid is None else rid[:64],
+                minted,
+            )
             return
         try:
             await store.remember(record_key(scope, rid), Holder(pool.name, ep.id, ep.url).encode(), ttl_ms=ttl_ms)
@@ -174,10 +202,12 @@ def stores_state(body: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Sticky:
-    """What ``POST /v1/responses`` adds to its plan: the endpoint it must go to, and the recorder of its answer."""
+    """What ``POST /v1/responses`` adds to its plan: the endpoint it must go to, the recorder of its answer, and the
+    response id the gateway minted for it (sent as the body's ``request_id``)."""
 
     pinned: tuple[PoolState, EndpointState] | None
     on_answer: OnAnswer | None
+    response_id: str = ""
 
     @property
     def plan(self) -> Plan | None:
@@ -187,14 +217,16 @@ class Sticky:
 async def for_create(
     store: Store, pools: Mapping[str, PoolState], body: Mapping[str, Any], authorization: str | None, ttl_s: float
 ) -> Sticky:
-    """The stickiness of one ``POST /v1/responses`` (its body already classified, so its fields are valid)."""
+    """The stickiness of one ``POST /v1/responses`` (its body already classified, so its fields are valid): the
+    caller's own ``previous_response_id`` only, and a new id of the gateway's for the response."""
     scope = tenant_scope(authorization)
     previous = body.get("previous_response_id")
     pinned = None
     if isinstance(previous, str):
         pinned = await locate(store, pools, scope, previous, param="previous_response_id")
-    on_answer = recorder(store, scope, int(ttl_s * 1000)) if stores_state(body) else None
-    return Sticky(pinned, on_answer)
+    minted = mint_response_id()
+    on_answer = recorder(store, scope, int(ttl_s * 1000), minted) if stores_state(body) else None
+    return Sticky(pinned, on_answer, minted)
 
 
 def _query(request: Request) -> tuple[bool, str]:
@@ -257,3 +289,39 @@ async def retrieve_response(request: Request) -> Response | ProxyExchange:
 
 async def cancel_response(request: Request) -> Response | ProxyExchange:
     return await _stateful(request, "POST", "/cancel")
+
+
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``: the caller's record is dropped, and the id resolves no more (for ``GET``,
+    ``cancel``, ``previous_response_id``, ``DELETE``). vLLM 0.33 has no route to delete a stored response: nothing
+    is sent to the pool, which keeps it in memory until it restarts, out of every client's reach."""
+    rt: Runtime = request.app.state.runtime
+    rid = str(request.path_params["response_id"])
+    headers = request.headers
+    rec = RequestRecord(request_id(headers.get("x-request-id")), f"/v1/responses/{rid[:300]}")
+    rec.traffic_class, rec.route_reason = STATE_CLASS, "gateway"
+    extra = {"x-request-id": rec.request_id}
+    try:
+        rt.authenticate(headers.get("authorization"))
+        await read_limited(request, rt.settings.max_body_bytes)  # a body is read (within the limit) and ignored
+        await forget(rt.store, tenant_scope(headers.get("authorization")), rid)
+    except GatewayError as exc:
+        rec.status, rec.error = exc.status, exc.message
+        rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
+        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+    rec.status = 200
+    rec.finish("ok", rt.metrics, rt.access_log)
+    body = orjson.dumps({"id": rid, "object": "response.deleted", "deleted": True})
+    return Response(body, 200, extra, JSON_CONTENT_TYPE)
+
+
+async def forget(store: Store, scope: bytes, response_id: str) -> None:
+    """Drop this caller's record of ``response_id``; 404 as ``locate`` answers when it has none."""
+    try:
+        dropped = valid_response_id(response_id) and await store.forget(record_key(scope, response_id))
+    except StoreUnavailable as exc:
+        raise ResponseStoreUnavailable(
+            f"response '{response_id}' cannot be deleted now: the store is unavailable ({exc})", param="response_id"
+        ) from exc
+    if not dropped:
+        raise _not_found(response_id, "response_id")

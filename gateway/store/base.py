@@ -16,7 +16,8 @@ Every record has a TTL (the lease while running, ``ttl_ms`` once completed). A s
 ``StoreUnavailable``; the caller applies its policy (refuse keyed requests with 503 by default).
 
 Besides the claims, a store keeps small values with a TTL (``remember`` / ``recall``): where a Responses API response
-lives (response id → pool and endpoint), so that every replica sends its follow-ups to the one server holding it.
+lives (response id → pool and endpoint), so that every replica sends its follow-ups to the one server holding it;
+``forget`` drops one (``DELETE /v1/responses/{id}``).
 Their keys never collide with claims (the callers prefix them differently).
 """
 
@@ -84,6 +85,10 @@ class Store(Protocol):
 
     async def recall(self, key: str) -> bytes | None:
         """The value kept under ``key``; None when there is none or it expired."""
+        ...
+
+    async def forget(self, key: str) -> bool:
+        """Drop the value kept under ``key``; False when there was none (or it had expired)."""
         ...
 
     async def ping(self) -> None:

@@ -161,6 +161,9 @@ class StoreHealth:
     async def recall(self, key: str) -> bytes | None:
         return await self._call("recall", self.store.recall(key))
 
+    async def forget(self, key: str) -> bool:
+        return await self._call("forget", self.store.forget(key))
+
     async def ping(self) -> None:
         await self._call("ping", self.store.ping())
 

@@ -220,6 +220,10 @@ class MemoryStore:
             return None
         return got[1]
 
+    async def forget(self, key: str) -> bool:
+        got = self._values.pop(key, None)
+        return got is not None and got[0] > self._clock()
+
     async def ping(self) -> None:
         return None
 

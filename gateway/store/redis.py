@@ -237,6 +237,12 @@ class RedisStore:
             return None
         return raw if isinstance(raw, bytes) else str(raw).encode()
 
+    async def forget(self, key: str) -> bool:
+        try:
+            return bool(await self._client.delete(self._prefix + key))
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("forget", exc) from exc
+
     async def ping(self) -> None:
         try:
             await self._client.ping()
