@@ -5,17 +5,20 @@ Every case here is decided before any pool is contacted: the pools' URLs refuse 
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import yaml
 
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
 from gateway.proxy.idempotency import tenant_scope
-from gateway.proxy.responses import Holder, record_key
+from gateway.proxy.owned_ids import mint_response_id
+from gateway.proxy.responses import Holder, record_key, recorder
 from gateway.runtime.container import Runtime
 from gateway.store.base import StoreUnavailable
 from gateway.store.memory import MemoryStore
@@ -138,3 +141,53 @@ async def test_retrieve_validates_its_parameters(gw: tuple[httpx.AsyncClient, Ru
     _error(await client.post("/v1/responses/resp_1/cancel", content=b"x" * 5000), 413, "request_too_large")
     r = await client.get("/v1/responses/resp_1", headers={"authorization": "Bearer nope"})
     assert r.status_code == 401
+
+
+async def test_delete_drops_only_the_callers_record(gw: tuple[httpx.AsyncClient, Runtime]) -> None:
+    client, rt = gw
+    holder = Holder("spec", "spec-0", SPEC_URL)
+    await _record(rt, "resp_mine", holder)
+    await _record(rt, "resp_theirs", holder, key="someone-else")
+    _error(await client.delete("/v1/responses/resp_theirs"), 404, "response_not_found")
+    assert await rt.store.recall(record_key(tenant_scope("Bearer someone-else"), "resp_theirs")) is not None
+    r = await client.delete("/v1/responses/resp_mine")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id": "resp_mine", "object": "response.deleted", "deleted": True}
+    assert await rt.store.recall(record_key(tenant_scope("Bearer k1"), "resp_mine")) is None
+    _error(await client.delete("/v1/responses/resp_mine"), 404, "response_not_found")
+    _error(await client.delete("/v1/responses/" + "r" * 300), 404, "response_not_found")
+    _error(await client.request("DELETE", "/v1/responses/resp_1", content=b"x" * 5000), 413, "request_too_large")
+    assert (await client.delete("/v1/responses/resp_1", headers={"authorization": "Bearer nope"})).status_code == 401
+
+
+async def test_delete_with_the_store_down_is_503(gw: tuple[httpx.AsyncClient, Runtime]) -> None:
+    client, rt = gw
+
+    class Down(MemoryStore):
+        async def forget(self, key: str) -> bool:
+            raise StoreUnavailable("connection refused")
+
+    rt.store = Down()
+    _error(await client.delete("/v1/responses/resp_1"), 503, "response_store_unavailable")
+
+
+async def test_records_from_before_ids_were_minted_are_not_honoured(gw: tuple[httpx.AsyncClient, Runtime]) -> None:
+    client, rt = gw  # a record under the former key prefix may name an id a client chose: it resolves nothing
+    old = "resp:" + record_key(tenant_scope("Bearer k1"), "order-42").split(":", 1)[1]
+    await rt.store.remember(old, Holder("spec", "spec-0", SPEC_URL).encode(), ttl_ms=60_000)
+    _error(await client.get("/v1/responses/order-42"), 404, "response_not_found")
+
+
+async def test_an_answer_under_another_id_is_not_recorded(gw: tuple[httpx.AsyncClient, Runtime]) -> None:
+    _, rt = gw
+    store, scope = MemoryStore(), tenant_scope("Bearer k1")
+    minted = mint_response_id()
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", minted)
+    assert minted != mint_response_id()
+    pool = rt.live.pools["spec"]
+    on_answer = recorder(store, scope, 60_000, minted)
+    await on_answer(pool, pool.endpoints[0], orjson.dumps({"id": "order-42", "object": "response"}))
+    assert await store.recall(record_key(scope, "order-42")) is None
+    created = {"type": "response.created", "response": {"id": minted}}
+    await on_answer(pool, pool.endpoints[0], b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
+    assert Holder.decode(await store.recall(record_key(scope, minted)) or b"") == Holder("spec", "spec-0", SPEC_URL)
