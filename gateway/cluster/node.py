@@ -332,7 +332,7 @@ class ClusterNode:
                 await asyncio.sleep(min(1.0, self._interval_s()))
             finally:
                 with contextlib.suppress(RedisError, OSError, RuntimeError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
 
     # -- shared counts ---------------------------------------------------------------------------------------
 

@@ -309,7 +309,7 @@ class RedisOverrideStore:
                 logger.warning("override change channel lost (%s): %s; resubscribing", self._where, exc)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
             await asyncio.sleep(RESUBSCRIBE_S)
 
     async def ping(self) -> None:
