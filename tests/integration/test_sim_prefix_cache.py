@@ -200,11 +200,7 @@ def test_kv_events_over_zmq_stored_removed_and_replay(client: httpx.Client) -> N
             seen.append(batch)
             removed += [h for e in batch.events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
         assert set(removed) <= set(expected) | {
-            h
-            for b in seen
-            for e in b.events
-            if type(e).__name__ == "BlockStored"
-            for h in e.block_hashes
+            h for b in seen for e in b.events if type(e).__name__ == "BlockStored" for h in e.block_hashes
         }
         assert set(removed) & set(expected)  # the oldest prompt's blocks went first
         # replay: ask for everything from the first batch on

@@ -41,7 +41,8 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def test_block_hash_is_vllms_sha256_of_the_pickled_parent_tokens_and_extra_keys() -> None:
-    assert NONE_HASH == hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    expected_none = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+    assert expected_none == NONE_HASH
     block = list(range(16))
     first = block_hash(None, block)
     assert first == hashlib.sha256(pickle.dumps((NONE_HASH, tuple(block), None), protocol=5)).digest()
@@ -191,8 +192,8 @@ async def test_a_repeated_prompt_skips_its_cached_prefill() -> None:
     ttft = [g.first_token - g.arrival for g in (first, second)]  # type: ignore[operator]
     assert ttft[1] < 0.2 * ttft[0]
     text = engine.metrics.render().decode()
-    assert "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"sim\"} 6000.0" in text
-    assert f"vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"sim\"}} {1984 + 96}.0" in text
+    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="sim"} 6000.0' in text
+    assert f'vllm:prefix_cache_hits_total{{engine="0",model_name="sim"}} {1984 + 96}.0' in text
 
 
 async def test_the_answer_is_cached_so_the_next_turn_hits_prompt_and_answer() -> None:
@@ -219,7 +220,7 @@ async def test_no_prefix_caching_gives_no_hits() -> None:
         await engine.stop()
     assert [g.cached_tokens for g in gens] == [0, 0]
     assert engine.cache is None
-    assert "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"sim\"} 0.0" in engine.metrics.render().decode()
+    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="sim"} 0.0' in engine.metrics.render().decode()
 
 
 async def test_eviction_under_a_small_block_budget_is_lru_and_bounded() -> None:
@@ -266,7 +267,12 @@ def test_kv_event_batch_is_vllms_msgpack_shape() -> None:
     assert stored["block_hashes"] == [external_hash(h) for h in ha]
     assert stored["parent_block_hash"] is None
     assert stored["token_ids"] == a
-    assert (stored["block_size"], stored["medium"], stored["extra_keys"], stored["group_idx"]) == (16, "GPU", [None] * 2, 0)
+    assert (stored["block_size"], stored["medium"], stored["extra_keys"], stored["group_idx"]) == (
+        16,
+        "GPU",
+        [None] * 2,
+        0,
+    )
     assert removed == {"type": "BlockRemoved", "block_hashes": [external_hash(ha[1])], "medium": "GPU", "group_idx": 0}
     assert cleared == {"type": "AllBlocksCleared"}
     batch = decode_batch(payload)
@@ -275,9 +281,10 @@ def test_kv_event_batch_is_vllms_msgpack_shape() -> None:
 
 def test_kv_events_config_is_validated_like_vllms() -> None:
     cfg = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5999"}')
-    assert cfg.active and cfg.resolved_publisher == "zmq"
+    assert cfg.active
+    assert cfg.resolved_publisher == "zmq"
     assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "null"}').active
     assert not KVEventsConfig.from_json('{"publisher": "zmq"}').active
     for bad in ('{"nope": 1}', '{"publisher": "kafka"}', '{"buffer_steps": 0}', "[1]", "{"):
-        with pytest.raises(ValueError, match="kv.events.config|kv_events_config"):
+        with pytest.raises(ValueError, match=r"kv.events.config|kv_events_config"):
             KVEventsConfig.from_json(bad)
