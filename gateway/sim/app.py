@@ -267,6 +267,8 @@ def create_sim_app(options: SimOptions) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
+        if state.kv_events is not None:
+            state.kv_events.start()
         await state.engine.start()
         state.alive = True
         try:
@@ -277,6 +279,8 @@ def create_sim_app(options: SimOptions) -> Starlette:
                 task.cancel()
             state.faults.close()
             await state.engine.stop()
+            if state.kv_events is not None:
+                state.kv_events.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

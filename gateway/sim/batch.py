@@ -1,16 +1,25 @@
 """The batch mechanics of one simulated engine: which sequences one step decodes, prefills (in chunks) and admits
-under ``max_num_seqs``, the token budget and the KV cache (``BLOCK_SIZE``-token blocks), recompute preemption
+under ``max_num_seqs``, the token budget and the KV cache (``block_size``-token blocks), recompute preemption
 when the cache is full, the tokens each sequence gets at the end of the step, and the bookkeeping of a finished
 sequence. ``Batch`` holds these methods; ``engine.Engine``, which runs the loop and owns the state, inherits them.
+
+Prefix caching (``cache``, a ``prefix_cache.PrefixCache``; None when off): a request admitted from the queue
+starts with the longest cached prefix of its prompt's full blocks (at most ``prompt − 1`` tokens: the last token
+is always computed, as in vLLM) already computed, so its prefill costs only the rest. Its prompt's blocks join the
+cache when its prefill completes (another request can share them from then on), its answer's blocks when it
+finishes; a sequence's blocks that no one holds stay cached in free memory until ``evict`` needs the room.
+``_free_blocks`` counts the blocks no running sequence holds, cached ones included (vLLM's free block queue).
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.sim.metrics import VllmMetrics, observe_n
+from gateway.sim.prefix_cache import PrefixCache, chain_hashes
 from gateway.sim.sequence import Generation
 
 BLOCK_SIZE = 16  # vLLM's default KV block size (tokens)
@@ -35,6 +44,8 @@ class Batch:
     max_num_seqs: int
     max_num_batched_tokens: int
     total_blocks: int
+    block_size: int
+    cache: PrefixCache | None
     _free_blocks: int
     _rng: random.Random
     _running: list[Generation]
@@ -49,13 +60,15 @@ class Batch:
         return 1.0 - self._free_blocks / self.total_blocks if self.total_blocks else 0.0
 
     def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // BLOCK_SIZE)
+        return -(-tokens // self.block_size)
 
     def _schedule(self, now: float) -> _Plan | None:
         if self._aborts:
             self._drop_aborted(now)
         running, waiting = self._running, self._waiting
         k = self.k_max
+        bs = self.block_size
+        cache = self.cache
         budget = self.max_num_batched_tokens
         decode_cost = 1 + k
         reserve = 1 + 2 * k  # the last token + K drafts verified + K lookahead slots for the next drafts
@@ -71,7 +84,7 @@ class Batch:
                 continue
             if budget < decode_cost:
                 continue
-            need = -(-(g.computed + reserve) // BLOCK_SIZE) - g.blocks
+            need = -(-(g.computed + reserve) // bs) - g.blocks - g.shared
             if need > 0:
                 while need > self._free_blocks and running[-1] is not g:
                     self._preempt(running[-1])
@@ -89,10 +102,10 @@ class Batch:
         for g in prefilling:
             if budget <= 0:
                 break
-            if g.blocks == 0:  # preempted above
+            if g.blocks == 0 and g.shared == 0:  # preempted above
                 continue
             chunk = min(g.prefill_target - g.computed, budget)
-            need = self._blocks_for(g.computed + chunk + k) - g.blocks
+            need = self._blocks_for(g.computed + chunk + k) - g.blocks - g.shared
             if need > self._free_blocks:
                 busy = set(map(id, decodes))  # never preempt a sequence already scheduled in this step
                 while need > self._free_blocks and running[-1] is not g and id(running[-1]) not in busy:
@@ -111,20 +124,34 @@ class Batch:
         blocked = preempted and bool(decodes or prefills)
         while waiting and not blocked and budget > 0 and len(running) < self.max_num_seqs:
             g = waiting[0]
-            chunk = min(g.prefill_target - g.computed, budget)
-            need = self._blocks_for(g.computed + chunk + k) - g.blocks
-            if need > self._free_blocks:
+            hit = from_free = 0
+            if cache is not None and g.hashes:  # a waiting sequence holds nothing: fresh, or preempted
+                hit, from_free = cache.match(g.hashes, (g.prefill_target - 1) // bs)
+            chunk = min(g.prefill_target - hit * bs, budget)
+            need = self._blocks_for(hit * bs + chunk + k) - hit
+            if need + from_free > self._free_blocks:
                 break
             waiting.popleft()
             running.append(g)
-            self._free_blocks -= need
+            if hit:
+                assert cache is not None
+                cache.acquire(g.hashes[:hit])
+                g.shared = hit
+                g.computed = hit * bs
+                self._ctx += g.computed
+            self._free_blocks -= need + from_free
             g.blocks += need
+            if cache is not None and g.num_preemptions == 0:
+                g.cached_tokens = hit * bs
+                self.metrics.observe_prefix_cache(g.request.prompt_tokens, g.cached_tokens)
             prefills.append((g, chunk))
             admitted.append(g)
             n_prefill += chunk
             budget -= chunk
             if g.arrival is not None and g.arrival > latest:
                 latest = g.arrival
+        if cache is not None and cache.free > self._free_blocks:
+            cache.evict(self._free_blocks)
         self.metrics.set_scheduler(len(running), len(waiting), self.kv_usage)
         if not decodes and not prefills:
             return None
@@ -139,6 +166,7 @@ class Batch:
             running.remove(g)
         self._free_blocks += g.blocks
         self._ctx -= g.computed
+        self._unshare(g)
         g.blocks = 0
         g.computed = 0
         g.prefill_target = g.request.prompt_tokens + g.tokens
@@ -197,6 +225,8 @@ class Batch:
             self._ctx += chunk
             if g.computed < g.prefill_target or g.done:
                 continue
+            if self.cache is not None and g.hashes:
+                self._adopt(g, len(g.hashes), g.request.prompt_ids)
             left = g.output_tokens - g.tokens
             g.tokens += 1
             generated += 1
@@ -232,6 +262,8 @@ class Batch:
             self._s["accepted_tokens"] += accepted
         if finished:
             for g in finished:
+                if self.cache is not None:
+                    self._cache_answer(g)
                 self._release(g)
                 self._finish(g, g.request.finish_reason, end)
             done = set(map(id, finished))
@@ -241,8 +273,42 @@ class Batch:
     def _release(self, g: Generation) -> None:
         self._free_blocks += g.blocks
         self._ctx -= g.computed
+        self._unshare(g)
         g.blocks = 0
         g.computed = 0
+
+    def _unshare(self, g: Generation) -> None:
+        """The sequence lets go of its prefix-cache blocks (they stay cached, in free memory once no one holds them)."""
+        if g.shared and self.cache is not None:
+            self._free_blocks += self.cache.release(g.hashes[: g.shared])
+        g.shared = 0
+
+    def _adopt(self, g: Generation, upto: int, ids: Sequence[int]) -> None:
+        """The sequence's computed blocks up to ``upto`` (of ``g.hashes``; ``ids`` its tokens) join the cache."""
+        cache, start = self.cache, g.shared
+        n = min(upto - start, g.blocks)
+        if cache is None or n <= 0:
+            return
+        parent = g.hashes[start - 1] if start else None
+        self._free_blocks += cache.adopt(g.hashes[start : start + n], ids, start, parent)
+        g.blocks -= n
+        g.shared = start + n
+
+    def _cache_answer(self, g: Generation) -> None:
+        """A finished sequence's full blocks of prompt + answer join the cache (the answer as the next turn of the
+        conversation renders it, up to the tokens actually computed)."""
+        req = g.request
+        if req.answer_ids is None or not req.prompt_ids or g.shared != len(g.hashes):
+            return
+        ids = [*req.prompt_ids, *req.answer_ids(g.tokens)]
+        bs = self.block_size
+        n_full = min(len(ids), req.prompt_tokens + g.tokens) // bs
+        have = len(g.hashes)
+        if n_full <= have:
+            return
+        parent = g.hashes[-1] if have else None
+        g.hashes = g.hashes + chain_hashes(ids[: n_full * bs], bs, start_block=have, parent=parent)
+        self._adopt(g, n_full, ids)
 
     def _finish(self, g: Generation, reason: str, t: float) -> None:
         """Terminal state + vLLM's per-request histograms (phases never reached are not observed)."""

@@ -158,6 +158,13 @@ class GenerationCall(Response):
             await asyncio.sleep(5.0)  # the disconnect watcher cancels this first
         raise _Cut("connection cut on purpose (fault injection)")
 
+    def _cached_tokens(self) -> int | None:
+        """``prompt_tokens_details.cached_tokens`` (with ``--enable-prompt-tokens-details``): the prompt tokens the
+        prefix cache supplied (of the request's prompt; the last prompt's for a completions batch)."""
+        if not self._state.options.enable_prompt_tokens_details or not self._gens:
+            return None
+        return self._gens[0 if self._req.kind == "chat" else -1].cached_tokens
+
     def _spec_metrics(self) -> dict[str, Any] | None:
         state, level = self._state, self._state.options.per_request_spec_decode_metrics
         if level is None or state.num_spec_tokens is None or len(self._gens) != 1:
@@ -202,6 +209,7 @@ class GenerationCall(Response):
             completion_tokens=sum(emitted),
             fingerprint=self._state.fingerprint,
             spec=self._spec_metrics(),
+            cached_tokens=self._cached_tokens(),
         )
         self._settle("completed")
         await send_json(send, body)
@@ -276,7 +284,7 @@ class GenerationCall(Response):
                 reason = self._finish_reason(j, emitted[j])
                 tail.append(wire.sse_event(shapes.token_chunk("", index=seq.index, finish_reason=reason)))
         if req.include_usage:
-            tail.append(wire.sse_event(shapes.usage_chunk(sum(emitted), self._spec_metrics())))
+            tail.append(wire.sse_event(shapes.usage_chunk(sum(emitted), self._spec_metrics(), self._cached_tokens())))
         tail.append(wire.SSE_DONE)
         self._settle("completed")
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})

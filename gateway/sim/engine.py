@@ -3,7 +3,9 @@
 Each step (``Engine._schedule``) takes, in this order: one decode slot per running sequence that has finished its
 prefill (``1 + K`` tokens of the per-step budget on a speculative server), a chunk for every running sequence still
 prefilling (chunked prefill), then waiting requests while ``running < max_num_seqs`` and the token budget
-(``max_num_batched_tokens``) and the KV cache (16-token blocks; K lookahead slots per sequence when speculative) allow.
+(``max_num_batched_tokens``) and the KV cache (``block_size``-token blocks, 16 by default; K lookahead slots per
+sequence when speculative) allow. With prefix caching (on by default, as in vLLM V1) a request's cached prefix
+is not prefilled again (``batch``); the cache's changes go to ``on_kv_events`` after every step.
 A decode that finds the KV cache full preempts the newest running sequence back to the front of the queue (its KV
 is dropped and recomputed later, as vLLM's recompute preemption does). K comes from the speculative config, per
 number of scheduled requests when it has ``num_speculative_tokens_per_batch_size``.
@@ -35,11 +37,13 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gateway.sim.batch import BLOCK_SIZE, Batch
 from gateway.sim.metrics import SpecStats, VllmMetrics
 from gateway.sim.physics import DraftCost, Preset, SpecConfig, TargetCost, step_time
+from gateway.sim.prefix_cache import Event, PrefixCache, chain_hashes
 from gateway.sim.sequence import EngineDead, Generation, GenRequest, QueueFull
 
 __all__ = ["BLOCK_SIZE", "Engine", "EngineDead", "GenRequest", "Generation", "QueueFull", "SpecStats"]
@@ -73,6 +77,9 @@ class Engine(Batch):
         kv_cache_tokens: int | None = None,
         timer_slack_s: float = 0.005,
         virtual_clock: bool = False,
+        block_size: int = BLOCK_SIZE,
+        enable_prefix_caching: bool = True,
+        on_kv_events: Callable[[list[Event]], None] | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -88,7 +95,12 @@ class Engine(Batch):
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_num_queued_tokens = max_num_queued_tokens
         self.timer_slack_s = timer_slack_s
-        self.total_blocks = (kv_cache_tokens or preset.kv_cache_tokens) // BLOCK_SIZE
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.total_blocks = (kv_cache_tokens or preset.kv_cache_tokens) // block_size
+        self.cache = PrefixCache(block_size, record_events=on_kv_events is not None) if enable_prefix_caching else None
+        self._on_kv_events = on_kv_events
         if self.max_num_batched_tokens < 1 + self.k_max:
             raise ValueError("max_num_batched_tokens must leave room for one decode (1 + K tokens)")
         self._free_blocks = self.total_blocks
@@ -179,14 +191,28 @@ class Engine(Batch):
             self.metrics.reject("max_num_queued_tokens")
             raise QueueFull("max_num_queued_tokens", limit)
         if self._blocks_for(req.prompt_tokens + req.output_tokens + 2 * self.k_max + 1) > self.total_blocks:
-            raise ValueError(f"request needs more KV cache than the server has ({self.total_blocks * BLOCK_SIZE})")
+            raise ValueError(f"request needs more KV cache than the server has ({self.total_blocks * self.block_size})")
         g = Generation(self, req, self.now(), self.k_max)
+        if self.cache is not None and req.prompt_ids:
+            g.hashes = chain_hashes(req.prompt_ids, self.block_size)
         self._waiting.append(g)
         self._queued_prompt_tokens += req.prompt_tokens
         self._s["submitted"] += 1
         self.metrics.set_scheduler(len(self._running), len(self._waiting), self.kv_usage)
         self._wake.set()
         return g
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's ``/reset_prefix_cache``); False while running sequences hold some."""
+        if self.cache is None or not self.cache.clear():
+            return False
+        self._publish_kv_events()
+        return True
+
+    def _publish_kv_events(self) -> None:
+        cache, sink = self.cache, self._on_kv_events
+        if cache is not None and sink is not None and cache.events:
+            sink(cache.take_events())
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/sim/stats``: steps, tokens, busy time, lateness, Python cost per step."""
@@ -202,6 +228,8 @@ class Engine(Batch):
             running=self.running,
             waiting=self.waiting,
             kv_usage=self.kv_usage,
+            num_gpu_blocks=self.total_blocks,
+            cached_blocks=len(self.cache) if self.cache is not None else 0,
             num_speculative_tokens=self.k_max or None,
             time_scale=self.time_scale,
         )
@@ -270,6 +298,8 @@ class Engine(Batch):
                 await asyncio.sleep(delay if delay > 0 else 0)
             c1 = perf()
             self._emit(plan, k, end)
+            if self._on_kv_events is not None:
+                self._publish_kv_events()
             cpu += perf() - c1
             s["python_s"] += cpu
             if cpu > s["python_s_max"]:
@@ -305,5 +335,8 @@ class Engine(Batch):
         self._running = []
         self._waiting = deque()
         self._free_blocks = self.total_blocks
+        if self.cache is not None:
+            self.cache.drop_all()
+            self._publish_kv_events()
         self._ctx = 0
         self._queued_prompt_tokens = 0

@@ -1,10 +1,11 @@
 """vLLM 0.33's Prometheus metrics (V1 engine), exactly: names, types, labels, buckets, ``_total``/``_created``.
 
-Only the series the gateway and the dashboards read are served (vLLM has more, e.g. prefix-cache counters). Every
-series carries ``model_name`` and ``engine`` (``"0"``) except ``vllm:admission_rejections_total`` (``model_name``,
-``reason``); every label child is created up front, as vLLM does, so a fresh server already shows zeros. The four
-``vllm:spec_decode_*`` counters exist only on a speculative server, with ``position`` 0…K−1. Latencies are observed
-in SIMULATED seconds. Registry of its own (never the global default).
+Only the series the gateway and the dashboards read are served (vLLM has more). Every series carries
+``model_name`` and ``engine`` (``"0"``) except ``vllm:admission_rejections_total`` (``model_name``, ``reason``) and
+``vllm:cache_config_info`` (one label per field of vLLM's ``CacheConfig``, in its order, then ``engine``: see
+``cache_config_labels``); every label child is created up front, as vLLM does, so a fresh server already shows
+zeros. The four ``vllm:spec_decode_*`` counters exist only on a speculative server, with ``position`` 0…K−1.
+Latencies are observed in SIMULATED seconds. Registry of its own (never the global default).
 
 The engine observes many values per step; ``observe_n`` adds n equal observations at the cost of one (the inter-token
 latency of every sequence in a step is usually the same number).
@@ -12,6 +13,7 @@ latency of every sequence in a step is usually the same number).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,9 @@ BASE_NAMES = (
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
     "vllm:request_params_max_tokens",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:cache_config_info",
 )
 SPEC_NAMES = (
     "vllm:spec_decode_num_drafts_total",
@@ -92,6 +97,36 @@ def observe_n(child: Any, value: float, n: int) -> None:
         if value <= bound:
             buckets[i].inc(n)
             break
+
+
+def cache_config_labels(
+    *,
+    block_size: int,
+    user_specified_block_size: bool,
+    num_gpu_blocks: int,
+    enable_prefix_caching: bool,
+    max_model_len: int,
+) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: every field of vLLM 0.33's ``CacheConfig`` in declaration order,
+    ``str()`` of its value on a plain ``vllm serve`` of a dense model (the frontend's copy: after start-up it knows
+    ``num_gpu_blocks``, ``kv_cache_size_tokens`` and ``kv_cache_max_concurrency``; the rest are defaults)."""
+    tokens = num_gpu_blocks * block_size
+    values: dict[str, object] = {
+        "block_size": block_size, "user_specified_block_size": user_specified_block_size, "kv_cache_layout": None,
+        "prefix_match_unit": None, "gpu_memory_utilization": 0.92, "cache_dtype": "auto", "is_attention_free": False,
+        "num_gpu_blocks_override": None, "sliding_window": None, "enable_prefix_caching": enable_prefix_caching,
+        "prefix_caching_hash_algo": "sha256", "prefix_cache_retention_interval": 0, "kv_cache_dtype_skip_layers": [],
+        "mamba_page_size_padded": None, "skip_page_size_padded": None, "mamba_block_size": None,
+        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "enable_mamba_shared_prefix_checkpoint": False, "replayssm_buffer_len": 16, "use_replayssm": False,
+        "use_kda_recoverssm": False, "num_gpu_blocks": num_gpu_blocks, "num_cpu_blocks": None,
+        "simple_cpu_offload_num_blocks": None, "effective_attention_block_size": None,
+        "kv_cache_size_tokens": tokens, "kv_cache_max_concurrency": tokens / max_model_len if max_model_len else None,
+        "hash_block_size": None, "cache_hit_alignment_tokens": None, "kv_sharing_fast_prefill": False,
+        "swa_bounded_replay": True, "kv_cache_memory_bytes": None, "kv_offloading_size": None,
+        "kv_offloading_backend": "native", "_block_size_resolved": True,
+    }  # fmt: skip
+    return {key: str(value) for key, value in values.items()}
 
 
 @dataclass(slots=True)
@@ -171,6 +206,13 @@ class VllmMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self._engine = engine
         success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", [*lab, "finished_reason"], registry=r
         )
@@ -240,6 +282,23 @@ class VllmMetrics:
         self.waiting_capacity.set(waiting)
         self.waiting_deferred.set(0)
         self.kv_usage.set(kv_usage)
+
+    def set_cache_config(self, labels: Mapping[str, str]) -> None:
+        """``vllm:cache_config_info``: a gauge at 1 whose labels describe the KV cache (``cache_config_labels``)."""
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*labels, "engine"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        info.labels(*labels.values(), self._engine).set(1)
+
+    def observe_prefix_cache(self, queries: int, hits: int) -> None:
+        """A request's prefix-cache lookup at its first admission (tokens queried, tokens found)."""
+        self.prefix_cache_queries.inc(queries)
+        if hits:
+            self.prefix_cache_hits.inc(hits)
 
     def reject(self, reason: str) -> None:
         """An admission rejected by ``--max-num-queued-reqs`` (or ``--max-num-queued-tokens``)."""

@@ -6,7 +6,6 @@ classifier).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import re
@@ -14,14 +13,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from gateway.sim.framing import (
     Kind,
     WireError,
     model_not_found,
 )
 from gateway.sim.pseudotext import request_seed
+from gateway.sim.tokens import chat_prompt_ids, completion_prompt_ids, content_text, token_ids
+
+__all__ = ["OutputLengths", "SeqPlan", "SimRequest", "chat_text", "count_tokens", "guess_task", "parse_request",
+           "token_ids"]  # fmt: skip
 
 # --------------------------------------------------------------------------------------------------------------
 # Output length and request parsing
@@ -47,46 +48,22 @@ def count_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
-def token_ids(text: str) -> list[int]:
-    """Token ids for ``text`` (``count_tokens`` of them): one per four characters, from a hash of those characters."""
-    return [
-        int.from_bytes(hashlib.blake2b(text[i : i + 4].encode(), digest_size=2).digest(), "big")
-        for i in range(0, len(text), 4)
-    ]
-
-
 def chat_text(body: dict[str, Any]) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return ""
-    return "\n".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+    return "\n".join(content_text(m.get("content")) for m in messages if isinstance(m, dict))
 
 
-def _chat_prompt_tokens(body: dict[str, Any]) -> int:
-    messages = [m for m in body["messages"] if isinstance(m, dict)]
-    total = 3 + sum(4 + count_tokens(_content_text(m.get("content"))) for m in messages)
-    if body.get("tools"):
-        total += count_tokens(orjson.dumps(body["tools"]).decode())
-    return total
-
-
-def _completion_prompts(prompt: Any) -> list[tuple[Any, int]]:
-    """(prompt, token count) per prompt: a string, a token id list, or a list of either."""
+def _completion_prompts(prompt: Any) -> list[tuple[Any, list[int]]]:
+    """(prompt, token ids) per prompt: a string, a token id list, or a list of either."""
     if isinstance(prompt, str):
-        return [(prompt, max(1, count_tokens(prompt)))]
+        return [(prompt, completion_prompt_ids(prompt))]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) for t in prompt):
-            return [(prompt, len(prompt))]
+            return [(prompt, completion_prompt_ids(prompt))]
         if all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
-            return [(p, max(1, count_tokens(p)) if isinstance(p, str) else len(p)) for p in prompt]
+            return [(p, completion_prompt_ids(p)) for p in prompt]
     raise WireError(400, "prompt must be a string, a list of token ids, or a list of either.", param="prompt")
 
 
@@ -99,6 +76,7 @@ class SeqPlan:
     prompt_tokens: int
     output_tokens: int
     finish_reason: str  # "stop" when the natural length ended it, "length" when a limit did
+    prompt_ids: Sequence[int] = ()  # the rendered prompt's token ids (``prompt_tokens`` of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +138,16 @@ def parse_request(
     if kind == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise WireError(400, "messages: Field required (a non-empty list).", param="messages")
-        prompts: list[tuple[Any, int]] = [(body["messages"], _chat_prompt_tokens(body))]
+        ids = chat_prompt_ids(body["messages"], body.get("tools"))
+        prompts: list[tuple[Any, list[int]]] = [(body["messages"], ids)]
     else:
         if body.get("prompt") is None:
             raise WireError(400, "prompt: Field required.", param="prompt")
         prompts = _completion_prompts(body["prompt"])
     base_seed = request_seed(model, body)
     seqs: list[SeqPlan] = []
-    for p, (prompt, prompt_tokens) in enumerate(prompts):
+    for p, (prompt, ids) in enumerate(prompts):
+        prompt_tokens = len(ids)
         if prompt_tokens >= max_model_len:
             raise WireError(
                 400,
@@ -186,7 +166,7 @@ def parse_request(
             if body.get("ignore_eos") is True:
                 natural = limit
             out, reason = (natural, "stop") if natural < limit else (limit, "length")
-            seqs.append(SeqPlan(p * n + i, seed, prompt_tokens, max(1, out), reason))
+            seqs.append(SeqPlan(p * n + i, seed, prompt_tokens, max(1, out), reason, ids))
     return SimRequest(
         kind=kind,
         model=model,
@@ -195,7 +175,7 @@ def parse_request(
         continuous_usage=include_usage and bool(opts.get("continuous_usage_stats")),
         temperature=1.0 if temperature is None else temperature,
         max_tokens=max_tokens,
-        prompt_tokens=sum(t for _, t in prompts),
+        prompt_tokens=sum(len(ids) for _, ids in prompts),
         seqs=tuple(seqs),
     )
 
@@ -226,7 +206,7 @@ def guess_task(body: dict[str, Any]) -> str:
         return "structured"
     if body.get("tools"):
         return "tool_use"
-    text = chat_text(body) if "messages" in body else _content_text(body.get("prompt"))
+    text = chat_text(body) if "messages" in body else content_text(body.get("prompt"))
     for task, pattern in _TASK_PATTERNS:
         if pattern.search(text):
             return task

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
-from gateway.sim.physics import DraftCost, Preset, TargetCost
+from gateway.sim.physics import DraftCost, Preset, TargetCost, cost_family
 
 # EAGLE-style head: about 2.1 ms + 8.4e-7·B·K + 2.4e-9·N_kv (one pass whatever K). MTP and DFlash heads
 # are single-pass drafters of similar size, so they share it.
@@ -101,3 +101,27 @@ def get_preset(name: str) -> Preset:
         return _PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}") from None
+
+
+# The KV capacity a speculative server keeps, as a fraction of a standard server's on the same GPUs (vLLM sizes the
+# KV cache from what the weights leave, and the proposer's weights and its own KV per token take their share):
+# - 70B on 4×H100: ~150 GB of KV at 320 KiB a token (465k tokens). A 0.5–1B draft model: ~1 GB of weights and
+#   ~24 KiB of KV a token (+7.5%) → 0.92. An EAGLE/MTP/DFlash head (one decoder layer): ~1.6 GB and 4 KiB a token
+#   (+1.25%) → 0.97. n-gram/suffix lookup: no weights, no KV → 1.0.
+# - 8B on one H100: ~52 GB of KV at 128 KiB a token. A 1B draft (Llama-3.2-1B): 2.5 GB and 32 KiB a token (+25%)
+#   → 0.76. A head: ~0.8 GB and 4 KiB a token (+3%) → 0.95.
+_SPEC_KV_FRACTION: Mapping[str, Mapping[str, float]] = MappingProxyType(
+    {
+        "llama70b-4xh100": MappingProxyType({"draft_model": 0.92, "head": 0.97, "lookup": 1.0}),
+        "llama70b-4xh100-v0": MappingProxyType({"draft_model": 0.92, "head": 0.97, "lookup": 1.0}),
+        "llama8b-h100": MappingProxyType({"draft_model": 0.76, "head": 0.95, "lookup": 1.0}),
+    }
+)
+
+
+def speculative_kv_fraction(preset: str, method: str) -> float:
+    """The share of the standard server's KV capacity a speculative server of ``preset`` with proposer ``method``
+    keeps (1.0 for a preset without figures)."""
+    family = cost_family(method)
+    kind = "draft_model" if family == "draft_model" else "lookup" if family in ("ngram", "suffix") else "head"
+    return _SPEC_KV_FRACTION.get(preset, {}).get(kind, 1.0)

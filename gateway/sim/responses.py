@@ -204,14 +204,15 @@ def response_object(
     }
 
 
-def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A response's ``usage``; ``cached_tokens``: the input tokens the prefix cache supplied."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
             "cache_write_tokens": 0,
             "input_tokens_per_turn": [input_tokens],
-            "cached_tokens_per_turn": [0],
+            "cached_tokens_per_turn": [cached_tokens],
         },
         "output_tokens": output_tokens,
         "output_tokens_details": {
@@ -251,7 +252,8 @@ class ResponsesCall(GenerationCall):
         seq = self._req.seqs[0]
         status = "incomplete" if emitted < seq.output_tokens or seq.finish_reason == "length" else "completed"
         output = [message_item(item_id, text, status)]
-        response = self._object(status, output, response_usage(self._req.prompt_tokens, emitted))
+        cached = self._gens[0].cached_tokens if self._gens else 0
+        response = self._object(status, output, response_usage(self._req.prompt_tokens, emitted, cached))
         if self._prep.store:
             previous = self._store.responses.get(response["id"])
             if previous is None or previous["status"] != "cancelled":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +29,8 @@ class GenRequest:
     acceptance: float  # this request's draft acceptance a (ignored by a standard server)
     params_max_tokens: int | None = None
     finish_reason: str = "length"  # reported when output_tokens is reached ("stop" or "length")
+    prompt_ids: Sequence[int] = ()  # the prompt's token ids (prefix caching); empty: the request is not cached
+    answer_ids: Callable[[int], Sequence[int]] | None = None  # the answer's token ids once n tokens are emitted
 
 
 class QueueFull(Exception):
@@ -48,13 +50,14 @@ class Generation:
     """One submitted request. Iterate it for the tokens of each engine step; ``abort()`` when the client leaves.
 
     The engine's batch mechanics (``batch.Batch``) read and advance its scheduling fields: ``computed`` (tokens whose
-    KV is computed), ``prefill_target``, ``blocks`` (KV blocks held), ``output_tokens``; they hand it tokens through
+    KV is computed), ``prefill_target``, ``blocks`` (KV blocks of its own), ``shared`` (how many of its first blocks
+    are prefix-cache blocks it holds, hashes ``hashes``), ``output_tokens``; they hand it tokens through
     ``bursts``/``waiter`` (``push``, inlined on the hot path) and finish it with ``end``."""
 
     __slots__ = (
-        "_engine", "_finish_fut", "aborted", "acceptance", "arrival", "blocks", "bursts", "computed", "done",
-        "finished", "finished_reason", "first_token", "last_token", "num_preemptions", "output_tokens",
-        "prefill_target", "request", "request_id", "scheduled", "spec", "tokens", "waiter",
+        "_engine", "_finish_fut", "aborted", "acceptance", "arrival", "blocks", "bursts", "cached_tokens", "computed",
+        "done", "finished", "finished_reason", "first_token", "hashes", "last_token", "num_preemptions",
+        "output_tokens", "prefill_target", "request", "request_id", "scheduled", "shared", "spec", "tokens", "waiter",
     )  # fmt: skip
 
     def __init__(self, engine: AbortSink, req: GenRequest, arrival: float, k: int) -> None:
@@ -74,7 +77,10 @@ class Generation:
         self.output_tokens = req.output_tokens
         self.computed = 0  # tokens whose KV is computed
         self.prefill_target = req.prompt_tokens  # prefill target: prompt (+ tokens made before a preemption)
-        self.blocks = 0  # KV blocks held
+        self.blocks = 0  # KV blocks of its own (not prefix-cache blocks)
+        self.shared = 0  # its first ``shared`` blocks are prefix-cache blocks it holds
+        self.hashes: list[bytes] = []  # the block hashes of its prompt (and of the answer, once finished)
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied at its first admission
         self.bursts: deque[int] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self._finish_fut: asyncio.Future[None] | None = None

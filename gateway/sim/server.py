@@ -215,6 +215,25 @@ def sim_command(
     enable_request_id_headers: Annotated[
         bool, typer.Option("--enable-request-id-headers", help="Echo X-Request-Id on responses.")
     ] = False,
+    enable_prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Automatic prefix caching (on by default, as in vLLM V1): a prompt's cached blocks skip prefill.",
+        ),
+    ] = True,
+    block_size: Annotated[int | None, typer.Option(help="KV cache block size in tokens (default 16).", min=1)] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            help='KV cache events over ZMQ, as vLLM: \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+            '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'.'
+        ),
+    ] = None,
+    enable_prompt_tokens_details: Annotated[
+        bool,
+        typer.Option("--enable-prompt-tokens-details", help="usage.prompt_tokens_details.cached_tokens in responses."),
+    ] = False,
     enable_responses_store: Annotated[
         bool,
         typer.Option(
@@ -394,6 +413,10 @@ def sim_command(
             seed=seed,
             enable_request_id_headers=enable_request_id_headers,
             enable_responses_store=enable_responses_store,
+            enable_prefix_caching=enable_prefix_caching,
+            block_size=block_size,
+            kv_events_config=kv_events_config,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
             preset=preset,
             time_scale=time_scale,
             acceptance=acceptance_model(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,9 +17,11 @@ from starlette.applications import Starlette
 from gateway.sim import wire
 from gateway.sim.engine import Engine, Generation, GenRequest
 from gateway.sim.faults import Faults, FaultState
-from gateway.sim.metrics import VllmMetrics
+from gateway.sim.kv_events import KVEventPublisher, KVEventsConfig
+from gateway.sim.metrics import VllmMetrics, cache_config_labels
 from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCost
-from gateway.sim.presets import get_preset
+from gateway.sim.presets import get_preset, speculative_kv_fraction
+from gateway.sim.tokens import answer_ids
 
 TASK_HEADER = "x-sim-task"
 _MAX_TRACKED_IDS = 100_000
@@ -50,7 +53,11 @@ class SimOptions:
     time_scale: float = 1.0
     target: TargetCost | None = None  # the target's step cost (default: the preset's)
     draft: DraftCost | None = None  # the proposer's cost (default: the preset's for the method)
-    kv_cache_tokens: int | None = None  # KV-cache capacity (default: the preset's)
+    kv_cache_tokens: int | None = None  # a standard server's KV-cache capacity (default: the preset's)
+    enable_prefix_caching: bool = True  # vLLM V1's automatic prefix caching (--no-enable-prefix-caching)
+    block_size: int | None = None  # KV block size in tokens (default 16)
+    kv_events_config: str | None = None  # JSON, vLLM's KVEventsConfig (KV cache events over ZMQ)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens) in responses
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     fixed_acceptance: float | None = None  # every request gets this acceptance (no draw)
     output_lengths: wire.OutputLengths = field(default_factory=wire.OutputLengths)
@@ -71,6 +78,16 @@ class SimState:
         self.preset = preset = get_preset(options.preset)
         self.max_model_len = options.max_model_len or preset.max_model_len
         self.metrics = VllmMetrics(options.names[0], speculative=self.num_spec_tokens, max_model_len=self.max_model_len)
+        self.kv_events_config = (
+            KVEventsConfig.from_json(options.kv_events_config) if options.kv_events_config else KVEventsConfig()
+        )
+        self.kv_events = KVEventPublisher(self.kv_events_config) if self.kv_events_config.active else None
+        block_size = options.block_size or 16
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        kv_tokens = options.kv_cache_tokens or preset.kv_cache_tokens
+        if self.spec is not None:  # the proposer's weights and KV take part of the memory
+            kv_tokens = int(kv_tokens * speculative_kv_fraction(preset.name, self.spec.method))
         self.engine = Engine(
             preset,
             self.spec,
@@ -83,7 +100,19 @@ class SimState:
             seed=options.seed,
             target=options.target,
             draft=options.draft if self.spec is not None else None,
-            kv_cache_tokens=options.kv_cache_tokens,
+            kv_cache_tokens=kv_tokens,
+            block_size=block_size,
+            enable_prefix_caching=options.enable_prefix_caching,
+            on_kv_events=self.kv_events.publish if self.kv_events is not None else None,
+        )
+        self.metrics.set_cache_config(
+            cache_config_labels(
+                block_size=block_size,
+                user_specified_block_size=options.block_size is not None,
+                num_gpu_blocks=self.engine.total_blocks,
+                enable_prefix_caching=options.enable_prefix_caching,
+                max_model_len=self.max_model_len,
+            )
         )
         self.acceptance = options.acceptance
         if options.fixed_acceptance is not None and not 0.0 <= options.fixed_acceptance <= 1.0:
@@ -122,6 +151,8 @@ class SimState:
                     acceptance=self.draw_acceptance(req.temperature, task),
                     params_max_tokens=req.max_tokens,
                     finish_reason=seq.finish_reason,
+                    prompt_ids=seq.prompt_ids,
+                    answer_ids=_answer(seq.seed, req.kind == "chat"),
                 )
                 gens.append(self.engine.submit(gr))
         except Exception:
@@ -145,6 +176,15 @@ class SimState:
             "kv_usage": engine.kv_usage,
             "engine": engine.stats(),
         }
+
+
+def _answer(seed: int, chat: bool) -> Callable[[int], list[int]]:
+    """The token ids of a sequence's answer once it has emitted ``n`` tokens (the text a client gets back)."""
+
+    def ids(n: int) -> list[int]:
+        return answer_ids("".join(wire.pseudo_tokens(seed, n)), chat=chat)
+
+    return ids
 
 
 def sim_state(app: Starlette) -> SimState:

@@ -106,24 +106,32 @@ def system_fingerprint(model: str, speculative_config: str | None) -> str:
     return f"vllm-{VLLM_VERSION}-{digest}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The ``usage`` of a whole response (every field)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """The ``usage`` of a whole response (every field). ``cached_tokens`` (given with
+    ``--enable-prompt-tokens-details``): the prompt tokens the prefix cache supplied."""
+    details = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": details,
         "completion_tokens_details": None,
     }
 
 
-def stream_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The ``usage`` of a stream chunk (final usage chunk, and ``continuous_usage_stats`` on completions)."""
-    return {
+def stream_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """The ``usage`` of a stream chunk (final usage chunk, and ``continuous_usage_stats`` on completions); the final
+    one carries ``prompt_tokens_details`` (nulls dropped) when ``cached_tokens`` is given."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def response_metrics(spec: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -169,6 +177,7 @@ def completion_body(
     completion_tokens: int,
     fingerprint: str | None,
     spec: dict[str, Any] | None = None,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` / ``text_completion`` response."""
     rendered: list[dict[str, Any]] = []
@@ -188,7 +197,7 @@ def completion_body(
         "choices": rendered,
         "service_tier": None,
         "system_fingerprint": fingerprint,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
     if kind == "chat":
         body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
@@ -261,9 +270,12 @@ class ChunkShapes:
         chunk["kv_transfer_params"] = None
         return chunk
 
-    def usage_chunk(self, completion_tokens: int, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    def usage_chunk(
+        self, completion_tokens: int, spec: dict[str, Any] | None = None, cached_tokens: int | None = None
+    ) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: ``choices: []``, the usage, the spec metrics."""
-        chunk = {**self._head(), "choices": [], "usage": stream_usage(self.prompt_tokens, completion_tokens)}
+        u = stream_usage(self.prompt_tokens, completion_tokens, cached_tokens)
+        chunk = {**self._head(), "choices": [], "usage": u}
         if self.fingerprint is not None:
             chunk["system_fingerprint"] = self.fingerprint
         if spec is not None:

@@ -94,6 +94,7 @@ def start_pair(time_scale: float) -> Pair:
         "max_num_seqs": 512,
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "fixed_acceptance": A,
+        "enable_prefix_caching": False,  # the blockers repeat one prompt: their prefill must cost its whole length
     }
     std = SimServer(SimOptions(**common)).start()
     spec = SimServer(SimOptions(**common, speculative_config=SPEC)).start()

@@ -41,7 +41,9 @@ VLLM_MD_NAMES = {
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
     "vllm:request_params_max_tokens",
-}
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+}  # and vllm:cache_config_info, which the server (SimState) sets: tests/integration/test_sim_prefix_cache.py
 VLLM_MD_SPEC_NAMES = {
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
