@@ -253,7 +253,7 @@ class ProxyExchange:
         failures: list[AttemptFailure] = []
         full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
         sent = 0
-        tries = candidates(job.plan, self.pools, self.rng) if job.pinned is None else iter((job.pinned,))
+        tries = candidates(job.plan, self.pools, self.rng, job.prompt) if job.pinned is None else iter((job.pinned,))
         for pool, ep in tries:
             if sent >= job.max_attempts:
                 break
@@ -282,6 +282,8 @@ class ProxyExchange:
                 rec.upstream_start = started
             ep.in_flight += 1
             metrics.pool_in_flight(pool.name).inc()
+            if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt
+                metrics.prefix_sent(pool.name, ep.id, len(job.prompt), ep.prefixes.record(job.prompt))
             opened: Opened | None = None
             try:
                 opened = await self._attempt(pool, ep, client, headers)
