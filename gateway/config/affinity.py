@@ -14,7 +14,7 @@ MAX_INDEX_CHUNKS = 1 << 20  # hard ceiling of one endpoint's index (about 130 MB
 class PrefixAffinity(Strict):
     """Prefix-cache affinity inside a pool: a request goes to the endpoint that holds the longest start of its
     prompt (as far as the gateway's index of what it sent there knows), unless that endpoint's load is past
-    ``load_slack`` / ``load_margin`` above the pool's mean; the least loaded endpoint otherwise."""
+    ``load_slack`` / ``load_margin`` above the least-loaded endpoint's; the least loaded endpoint otherwise."""
 
     enabled: bool = Field(True, description="Prefer the endpoint with the longest warm prefix of the prompt.")
     min_prefix_tokens: int = Field(
@@ -28,11 +28,11 @@ class PrefixAffinity(Strict):
         0.25,
         ge=0,
         le=100,
-        description="A warm endpoint is passed over when its in-flight requests per weight exceed the pool's mean x "
-        "(1 + load_slack) + load_margin: no hot server from a shared prefix.",
+        description="A warm endpoint is passed over when its in-flight requests per weight exceed the least-loaded "
+        "routable endpoint's x (1 + load_slack) + load_margin: no hot server from a shared prefix.",
     )
     load_margin: Number = Field(
-        2.0, ge=0, le=100_000, description="The absolute part of the load bound (requests per unit of weight)."
+        4.0, ge=0, le=100_000, description="The absolute part of the load bound (requests per unit of weight)."
     )
     default_capacity_tokens: int = Field(
         262_144,

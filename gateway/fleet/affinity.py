@@ -4,10 +4,12 @@ The rule (``PoolState.pick`` applies it before its power of two choices):
 
 1. Each candidate endpoint's warm prefix is the number of chunks at the start of the prompt that its index
    (``gateway.fleet.prefix_index``) holds. A warm prefix shorter than ``min_prefix_tokens`` does not count.
-2. An endpoint is over the load bound when its in-flight requests per unit of weight exceed the candidates' mean
-   x (1 + ``load_slack``) + ``load_margin``: a shared system prompt, warm everywhere it went, must not make one
-   hot server. With two endpoints and the defaults, a warm one takes new requests until it holds about 1.7x the
-   other's load plus 5.
+2. An endpoint is over the load bound when its in-flight requests per unit of weight exceed the least-loaded
+   candidate's x (1 + ``load_slack``) + ``load_margin`` (as vllm-router's balance thresholds compare the busiest
+   with the idlest): a shared system prompt, warm everywhere it went, must not make one hot server. Measured
+   against the least loaded, not the mean: with the mean, one idle endpoint among eight whose prompt is warm on
+   the other seven would never be over-ruled (the seven never pass 1.25x a mean they make themselves). With the
+   defaults a warm endpoint keeps taking its prompts until it holds 1.25x the idlest one's load plus 4.
 3. The endpoint with the longest counted warm prefix within the bound wins (equal prefixes: the less loaded one).
    None: the pool's least-loaded pick decides (a cold prompt, or every warm endpoint over the bound).
 
@@ -49,7 +51,7 @@ def load_of(ep: Candidate) -> float:
 
 def load_bound(loads: Sequence[float], cfg: PrefixAffinity) -> float:
     """The most load a warm endpoint may carry and still be preferred."""
-    return sum(loads) / len(loads) * (1.0 + cfg.load_slack) + cfg.load_margin
+    return min(loads) * (1.0 + cfg.load_slack) + cfg.load_margin
 
 
 def min_chunks(cfg: PrefixAffinity) -> int:
