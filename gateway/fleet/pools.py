@@ -2,10 +2,11 @@
 
 The pick first follows prefix affinity (``gateway.fleet.affinity``: the endpoint whose prefix cache holds the longest
 start of the prompt, within a load bound), when the pool has it on and the request's prompt chunks are given;
-otherwise, and for a cold prompt, it is weighted power-of-two-choices: draw two routable endpoints with probability proportional to their
-weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means drained: the endpoint
-gets no new requests, and the ones it has run to completion. ``weight`` is the effective weight; the YAML's is
-``configured_weight`` (on-call overrides recompute ``weight`` from it: ``gateway.overrides.manager``).
+otherwise, and for a cold prompt, it is weighted power-of-two-choices: draw two routable endpoints with probability
+proportional to their weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means
+drained: the endpoint gets no new requests, and the ones it has run to completion. ``weight`` is the effective
+weight; the YAML's is ``configured_weight`` (on-call overrides recompute ``weight`` from it:
+``gateway.overrides.manager``).
 
 An endpoint is routable while it is healthy (its last active health check passed, and no connect failure since),
 has a weight, and is not ejected. Ejection (passive outlier detection, ``gateway.routing.attempts``) takes an endpoint
@@ -151,9 +152,7 @@ class PoolState:
     def healthy_count(self) -> int:
         return sum(1 for e in self.endpoints if e.healthy)
 
-    def pick(
-        self, rng: random.Random, exclude: Iterable[str] = (), prompt: Sequence[int] = ()
-    ) -> EndpointState | None:
+    def pick(self, rng: random.Random, exclude: Iterable[str] = (), prompt: Sequence[int] = ()) -> EndpointState | None:
         """The endpoint for one attempt among the routable ones not in ``exclude``: the warm one within the load
         bound when ``prompt`` (its chunk hashes) is warm somewhere and the pool has affinity on, else weighted
         power of two choices, least in-flight per weight."""

@@ -98,12 +98,12 @@ def _has_finish_reason(event: bytes) -> bool:
 class StreamTap:
     """Watches the events of a stream from a speculative pool for the final usage chunk.
 
-    It records the chunk's spec-decode metrics in ``sample`` and its cached prompt tokens in ``cached_tokens``. With ``strip`` (the gateway asked for the usage
-    chunk, the client did not) the chunk — the event with ``"choices":[]`` and ``usage`` right before ``[DONE]``
-    — is held back and dropped once ``[DONE]`` follows. vLLM moves ``system_fingerprint`` from the last token
-    chunk to the usage chunk when usage is on, so while stripping the chunk that carries a ``finish_reason`` is
-    held until the next event, and gets the fingerprint back if the usage chunk carried one. Every other event
-    passes unchanged, in order.
+    It records the chunk's spec-decode metrics in ``sample`` and its cached prompt tokens in ``cached_tokens``.
+    With ``strip`` (the gateway asked for the usage chunk, the client did not) the chunk — the event with
+    ``"choices":[]`` and ``usage`` right before ``[DONE]`` — is held back and dropped once ``[DONE]`` follows.
+    vLLM moves ``system_fingerprint`` from the last token chunk to the usage chunk when usage is on, so while
+    stripping the chunk that carries a ``finish_reason`` is held until the next event, and gets the fingerprint
+    back if the usage chunk carried one. Every other event passes unchanged, in order.
     """
 
     __slots__ = ("_held_finish", "_held_usage", "cached_tokens", "sample", "strip")

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from gateway.admin.explain import explain
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, ServerThread, rules_for
 
@@ -47,11 +48,21 @@ def test_a_conversation_sticks_to_its_endpoint_and_others_spread(fake: Fake, gat
                 messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
             assert len(set(where)) == 1, (convo, where)  # every turn on the endpoint holding the conversation
             first.append(where[0])
+            if convo == 0:  # explain shows why the next turn goes there
+                messages.append({"role": "user", "content": "and the next question"})
+                d = explain(gw.app.state.runtime, "/v1/chat/completions", {"model": MODEL, "messages": messages}, {})  # type: ignore[attr-defined]
+                std = d["prefix_affinity"]["pools"]["std"]
+                assert (std["pick"], std["why"]) == (where[0], "warm")
+                warm = {e["endpoint"]: e["warm_tokens"] for e in std["endpoints"]}
+                assert warm[where[0]] > 700
+                assert warm[({"std-0", "std-1"} - {where[0]}).pop()] == 0
         assert set(first) == {"std-0", "std-1"}  # new conversations go to either (least loaded, power of two)
         metrics = client.get("/metrics").text
     predicted = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'specgate_prefix_predicted_hit_tokens_total\{endpoint="([^"]+)",pool="std"\} (\S+)', metrics)
+        for m in re.finditer(
+            r'specgate_prefix_predicted_hit_tokens_total\{endpoint="([^"]+)",pool="std"\} (\S+)', metrics
+        )
     }
     # Turns 2-4 of each conversation were predicted warm: at least the system prompt each time.
     assert sum(predicted.values()) >= 10 * 3 * 700
@@ -62,7 +73,10 @@ def test_a_hot_shared_prefix_spreads_once_load_passes_the_bound(fake: Fake, gate
     shared = system_prompt(99)
 
     def ask(i: int, hold_s: float) -> str:
-        body = {"model": MODEL, "messages": [{"role": "system", "content": shared}, {"role": "user", "content": f"q{i}"}]}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": shared}, {"role": "user", "content": f"q{i}"}],
+        }
         headers = {"X-Fake-Behavior": f"first_token_delay={hold_s}"}
         r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 200, r.text

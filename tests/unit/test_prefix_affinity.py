@@ -3,9 +3,11 @@ the load-bounded warm pick, the prompt rendering, the scraped cache size and hit
 
 from __future__ import annotations
 
+import io
 import random
 from typing import Any
 
+import orjson
 import pydantic
 import pytest
 from hypothesis import given, settings
@@ -24,6 +26,10 @@ from gateway.fleet.prefix_index import (
     chain_hashes,
 )
 from gateway.fleet.vllm_metrics import EndpointLoad, parse_vllm_metrics
+from gateway.observability.logs import AccessLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.proxy.record import RequestRecord
+from gateway.proxy.stream_tap import StreamTap, cached_tokens_of
 from gateway.routing.prompt_key import prompt_chunks, render_prompt
 from tests.conftest import MODEL, rules_for
 
@@ -253,7 +259,9 @@ def test_parts_tool_calls_completions_and_responses_render_without_raising() -> 
         ],
     }
     rendered = render_prompt("chat", body)
-    assert "look" in rendered and "c1" in rendered and "AAAA" not in rendered  # an image counts by its hash
+    assert "look" in rendered
+    assert "c1" in rendered
+    assert "AAAA" not in rendered
     assert render_prompt("completions", {"model": MODEL, "prompt": ["one prompt"]}).endswith("one prompt")
     assert render_prompt("completions", {"model": MODEL, "prompt": ["a", "b"]}) == ""  # a batch: no key
     assert render_prompt("completions", {"model": MODEL, "prompt": [1, 2, 3]}) == ""
@@ -277,9 +285,9 @@ def test_cache_size_and_hit_counters_are_read_from_the_exposition() -> None:
             "vllm:num_requests_running 1",
             "vllm:num_requests_waiting 0",
             "# TYPE vllm:prefix_cache_queries counter",
-            "vllm:prefix_cache_queries_total{engine=\"0\"} 1000",
+            'vllm:prefix_cache_queries_total{engine="0"} 1000',
             "# TYPE vllm:prefix_cache_hits counter",
-            "vllm:prefix_cache_hits_total{engine=\"0\"} 400",
+            'vllm:prefix_cache_hits_total{engine="0"} 400',
             "# TYPE vllm:cache_config_info gauge",
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="2048",enable_prefix_caching="True"} 1',
             "",
@@ -294,7 +302,8 @@ def test_cache_size_and_hit_counters_are_read_from_the_exposition() -> None:
     later = parse_vllm_metrics(text_.replace(" 1000", " 1500").replace(" 400", " 800"), NAMES)
     load.record(later, 2.0)
     d = load.deltas(2.0)
-    assert d is not None and d.prefix_hit_ratio == pytest.approx(0.8)
+    assert d is not None
+    assert d.prefix_hit_ratio == pytest.approx(0.8)
 
 
 def test_the_yaml_block_globally_and_per_pool() -> None:
@@ -310,3 +319,25 @@ def test_the_yaml_block_globally_and_per_pool() -> None:
         rules["pools"][1]["prefix_affinity"] = bad
         with pytest.raises(pydantic.ValidationError):
             RoutingRules.model_validate(rules)
+
+
+# --- visible: the access log's cached tokens -----------------------------------------------------------------
+
+
+def test_cached_tokens_reach_the_access_log_from_a_body_and_from_a_stream() -> None:
+    body = b'{"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":768},"completion_tokens":5}}'
+    assert cached_tokens_of(body) == 768
+    assert cached_tokens_of(b'{"usage":{"input_tokens_details": {"cached_tokens": 32}}}') == 32  # Responses API
+    assert cached_tokens_of(b'{"usage":{"prompt_tokens":9}}') is None
+    tap = StreamTap(strip=True)
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":512}}}\n\n'
+    out = tap.feed([b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', usage, b"data: [DONE]\n\n"])
+    assert usage not in out
+    assert tap.cached_tokens == 512
+    stream = io.BytesIO()
+    log = AccessLog(stream)
+    rec = RequestRecord("r1", "/v1/chat/completions")
+    rec.cached_tokens = tap.cached_tokens
+    rec.finish("ok", GatewayMetrics(), log)
+    log.flush()
+    assert orjson.loads(stream.getvalue())["cached_tokens"] == 512
