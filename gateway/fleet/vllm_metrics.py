@@ -6,6 +6,10 @@
 and its SAMPLE with it (an exposition without ``# TYPE`` lines keeps the sample name as the family name), so names
 are matched on samples, and a counter is found whichever spelling the YAML uses.
 
+The prefix-cache counters (queries and hits, in tokens) are read as the other counters; the cache's size is
+``num_gpu_blocks`` x ``block_size`` from the labels of the ``vllm:cache_config_info`` info gauge (summed over
+engines), which sizes the endpoint's prefix index (``gateway.fleet.prefix_index``).
+
 ``EndpointLoad`` keeps one endpoint's latest gauges (with the time they were scraped) and a window of cumulative
 counter snapshots. Rules:
 

@@ -10,11 +10,12 @@ from typing import Any
 import orjson
 import pydantic
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config.affinity import PrefixAffinity
-from gateway.config.schema import MetricNames, Pool, RoutingRules
+from gateway.config.schema import MetricNames, Pool, RoutingRules, Scrape
 from gateway.fleet.affinity import assess, load_bound, warm_pick
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.prefix_index import (
@@ -25,6 +26,7 @@ from gateway.fleet.prefix_index import (
     PrefixIndex,
     chain_hashes,
 )
+from gateway.fleet.scraper import Scraper
 from gateway.fleet.vllm_metrics import EndpointLoad, parse_vllm_metrics
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
@@ -341,3 +343,72 @@ def test_cached_tokens_reach_the_access_log_from_a_body_and_from_a_stream() -> N
     rec.finish("ok", GatewayMetrics(), log)
     log.flush()
     assert orjson.loads(stream.getvalue())["cached_tokens"] == 512
+
+
+# --- the scraper sizes, corrects and clears the indexes ------------------------------------------------------
+
+
+def exposition(queries: int, hits: int, blocks: int, created: float = 1.0) -> str:
+    return "\n".join(
+        [
+            "# TYPE vllm:num_requests_running gauge",
+            "vllm:num_requests_running 0",
+            "# TYPE vllm:num_requests_waiting gauge",
+            "vllm:num_requests_waiting 0",
+            "# TYPE vllm:generation_tokens counter",
+            "vllm:generation_tokens_total 10",
+            f"vllm:generation_tokens_created {created}",
+            "# TYPE vllm:prefix_cache_queries counter",
+            f"vllm:prefix_cache_queries_total {queries}",
+            "# TYPE vllm:prefix_cache_hits counter",
+            f"vllm:prefix_cache_hits_total {hits}",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1',
+            "",
+        ]
+    )
+
+
+async def test_the_scrape_sizes_the_index_exports_the_hit_rate_and_a_restart_empties_it() -> None:
+    body = {"text": exposition(0, 0, 100)}
+
+    async def metrics_page(_: web.Request) -> web.Response:
+        return web.Response(text=body["text"])
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    spec = Pool.model_validate(
+        {
+            "name": "p",
+            "kind": "standard",
+            "models": ["m"],
+            "endpoints": [{"url": f"http://127.0.0.1:{port}", "id": "e"}],
+        }
+    )
+    pool = PoolState.from_spec(spec, PrefixAffinity())
+    ep = pool.endpoints[0]
+    metrics = GatewayMetrics()
+    scraper = Scraper(lambda: [pool], lambda: Scrape.model_validate({"interval_s": 1, "timeout_s": 1}), metrics)
+    try:
+        await scraper.scrape_all()
+        assert (ep.prefixes.capacity, ep.prefixes.source) == (100, "scraped")  # 100 blocks x 16 tokens / 16
+        ep.prefixes.record(chain_hashes(text(1, 80)))
+        body["text"] = exposition(1000, 250, 100)
+        await scraper.scrape_all()
+        assert 'specgate_prefix_measured_hit_ratio{endpoint="e",pool="p"} 0.25' in metrics.render().decode()
+        assert 'specgate_prefix_index_chunks{endpoint="e",pool="p"} 80.0' in metrics.render().decode()
+        body["text"] = exposition(10, 0, 100, created=2.0)  # the server restarted: its cache is empty
+        await scraper.scrape_all()
+        assert len(ep.prefixes) == 0
+    finally:
+        await scraper.close()
+        await runner.cleanup()
