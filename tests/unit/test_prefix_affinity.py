@@ -13,7 +13,9 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
+from gateway.cli.render import render
 from gateway.config.affinity import PrefixAffinity
 from gateway.config.schema import MetricNames, Pool, RoutingRules, Scrape
 from gateway.fleet.affinity import assess, load_bound, warm_pick
@@ -412,3 +414,30 @@ async def test_the_scrape_sizes_the_index_exports_the_hit_rate_and_a_restart_emp
     finally:
         await scraper.close()
         await runner.cleanup()
+
+
+def test_specgate_explain_prints_each_endpoints_warm_prefix_and_the_verdict() -> None:
+    def row(ep: str, warm: int, load: float, *, counted: bool = True, over: bool = False) -> dict[str, Any]:
+        return {
+            "endpoint": ep,
+            "warm_tokens": warm,
+            "counted": counted,
+            "load": load,
+            "over_bound": over,
+            "index_chunks": 10,
+            "index_capacity": 100,
+            "capacity_source": "scraped",
+        }
+
+    pools = {
+        "std": {"endpoints": [row("std-0", 1024, 1.0), row("std-1", 0, 0.0, counted=False)], "pick": "std-0"},
+        "spec": {"endpoints": [row("spec-0", 512, 9.0, over=True), row("spec-1", 0, 0.0)], "pick": None},
+    }
+    pools["spec"]["why"] = "over_bound"
+    data = {"plan": {"steps": []}, "prefix_affinity": {"prompt_tokens": 1040, "pools": pools}, "config": {}}
+    console = Console(width=100, record=True, color_system=None)
+    render(data, console)
+    words = [line.split() for line in console.export_text().splitlines()]
+    assert ["std", "std-0", "1024", "1.0", "10/100", "picked:", "warm"] in words
+    assert ["spec", "spec-0", "512", "9.0", "10/100", "over", "the", "load", "bound"] in words
+    assert ["spec", "warm", "ones", "too", "busy:", "least", "loaded"] in words
