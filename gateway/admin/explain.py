@@ -19,6 +19,10 @@ JSON-able dict::
                     (``gateway.routing.overload``: a back-pressure failure moves a request only to one not busy)
     plan            reason, steps (the attempts in order, within max_attempts), skipped pools, max_attempts, and
                     shed: true when no planned pool admits the request now (the proxy would answer 503 overloaded)
+    prefix_affinity per planned pool: whether it is on, its bounds, and per routable endpoint the warm prefix of this
+                    prompt (approximate tokens), whether it counts, its load and whether that is over the bound, and
+                    its index's size; then the endpoint the affinity rule picks and why (warm | cold | over_bound:
+                    cold and over_bound leave the pick to the least-loaded choice); null for embeddings
     config          source and digest of the routing YAML in force
 
 While a class is split, ``choice.pick`` and the plan show one draw; ``choice.share`` is the chance of the other.
@@ -37,12 +41,15 @@ from typing import Any
 from gateway.admin.protocol import EXPLAIN_DEFAULT_PATH
 from gateway.config.schema import Route, TrafficClass
 from gateway.errors import InvalidParameter
+from gateway.fleet.affinity import assess
 from gateway.fleet.pools import PoolState
+from gateway.fleet.prefix_index import TOKENS_PER_CHUNK
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
 from gateway.routing.plan import Plan, is_saturated
+from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 
@@ -232,9 +239,31 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             "shed": bool(d.plan.pools)
             and not any(rt.attempts.admits(live.pools[p]) for p in d.plan.pools if p in live.pools),
         },
+        "prefix_affinity": None if endpoint is None else _affinity(live, d.plan, prompt_chunks(endpoint, body)),
         "config": {"source": live.source, "digest": live.digest},
         "stateful": _stateful(endpoint, body),
     }
+
+
+def _affinity(live: LiveConfig, plan: Plan, chunks: tuple[int, ...]) -> dict[str, Any]:
+    """Per planned pool: each routable endpoint's warm prefix of this prompt and load, and whom the rule picks."""
+    out: dict[str, Any] = {"prompt_tokens": len(chunks) * TOKENS_PER_CHUNK, "pools": {}}
+    for name in plan.pools:
+        pool = live.pools.get(name)
+        if pool is None:
+            continue
+        cfg = pool.affinity
+        rows, chosen, why = assess(pool.routable(), chunks, cfg)
+        out["pools"][name] = {
+            "enabled": cfg.enabled,
+            "min_prefix_tokens": cfg.min_prefix_tokens,
+            "load_slack": cfg.load_slack,
+            "load_margin": cfg.load_margin,
+            "endpoints": [asdict(r) for r in rows],
+            "pick": chosen if cfg.enabled else None,
+            "why": why if cfg.enabled else "disabled",
+        }
+    return out
 
 
 def _stateful(endpoint: Endpoint | None, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Rendering a routing explanation (the admin API's ``/admin/explain`` answer) for the terminal: the header
-lines (class, task, route, features, controller), the live-pools table, the attempt-plan table (both fitted to
-the terminal: ``gateway.cli.tables``), and ``cell``, the table-cell number format the admin CLI's tables share.
+lines (class, task, route, features, controller), the live-pools table, the attempt-plan table, the prefix
+affinity table (fitted to the terminal: ``gateway.cli.tables``), and ``cell``, the table-cell number format the
+admin CLI's tables share.
 """
 
 from __future__ import annotations
@@ -207,6 +208,51 @@ def _plan_table(plan: dict[str, Any], width: int) -> Table:
     return fit_table(f"plan (max {plan.get('max_attempts')} attempts)", PLAN_COLUMNS, rows, width)
 
 
+AFFINITY_COLUMNS = (
+    Column("pool"),
+    Column("endpoint"),
+    Column("warm tok", "number"),
+    Column("load", "number"),
+    Column("index", "number", drop=1),
+    Column("verdict", "text"),
+)
+
+
+def _affinity_table(data: dict[str, Any], width: int) -> Table | None:
+    """Each planned pool's endpoints with this prompt's warm prefix and load, and the endpoint prefix affinity
+    picks (``gateway.fleet.affinity``); None when no pool has two endpoints."""
+    pools = (data.get("prefix_affinity") or {}).get("pools") or {}
+    rows: list[list[str]] = []
+    for name, p in pools.items():
+        eps = p.get("endpoints") or []
+        if len(eps) < 2:
+            continue
+        for e in eps:
+            verdict = ""
+            if e.get("endpoint") == p.get("pick"):
+                verdict = "[bold]picked: warm[/]"
+            elif e.get("over_bound"):
+                verdict = "over the load bound"
+            elif not e.get("counted") and e.get("warm_tokens"):
+                verdict = "too short to count"
+            rows.append(
+                [
+                    escape(name),
+                    escape(str(e.get("endpoint"))),
+                    cell(e.get("warm_tokens"), digits=0),
+                    cell(e.get("load"), digits=1),
+                    f"{e.get('index_chunks')}/{e.get('index_capacity')}",
+                    verdict,
+                ]
+            )
+        if p.get("pick") is None:
+            why = {"cold": "no warm prefix: least loaded", "over_bound": "warm ones too busy: least loaded"}
+            rows.append([escape(name), "", "", "", "", escape(why.get(str(p.get("why")), str(p.get("why"))))])
+    if not rows:
+        return None
+    return fit_table("prefix affinity (warm prompt tokens, approximate)", AFFINITY_COLUMNS, rows, width)
+
+
 def render(data: dict[str, Any], out: Console) -> None:
     for line in _header_lines(data):
         out.print(line, highlight=False, soft_wrap=True)
@@ -220,6 +266,9 @@ def render(data: dict[str, Any], out: Console) -> None:
         out.print(f"[dim]stale (no fresh scrape): {escape(', '.join(stale))}[/]", highlight=False, soft_wrap=True)
     plan = data.get("plan") or {}
     out.print(_plan_table(plan, out.width))
+    affinity = _affinity_table(data, out.width)
+    if affinity is not None:
+        out.print(affinity)
     if len(plan.get("steps") or []) > 1:
         out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
     if plan.get("empty"):

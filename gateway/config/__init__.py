@@ -1,7 +1,8 @@
 """Configuration: the process settings and the routing YAML.
 
 - ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``).
-- ``schema``: the routing YAML as strict pydantic models (``operations``: its scrape and overload sections);
+- ``schema``: the routing YAML as strict pydantic models (``operations``: its scrape and overload sections;
+  ``affinity``: the ``prefix_affinity`` block);
   ``checks``: whole-document checks;
   ``loader``: parse + validate with errors that name the YAML path and line; ``jsonschema``: the editor schema.
 - ``packaged``: files shipped in the package: ``default_rules.yaml``, the default routing YAML (a copy of the

@@ -47,7 +47,7 @@ _SHAPE_HINTS = {
     "Range": "a range such as {lte: 0.5} (keys lt, lte, gt, gte)",
     "OneOf": "a set such as {in: [code, rag]}",
 }
-_MAX_LISTED = 12
+_MAX_LISTED = 14
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,16 @@ class MetricNames(Strict):
     request_generation_tokens: MetricName = Field(
         "vllm:request_generation_tokens", description="Histogram: output tokens of each finished request."
     )
+    prefix_cache_queries: MetricName = Field(
+        "vllm:prefix_cache_queries", description="Counter: prompt tokens looked up in the prefix cache."
+    )
+    prefix_cache_hits: MetricName = Field(
+        "vllm:prefix_cache_hits", description="Counter: prompt tokens found in the prefix cache."
+    )
+    cache_config_info: MetricName = Field(
+        "vllm:cache_config_info",
+        description="Info gauge whose labels block_size and num_gpu_blocks size the endpoint's prefix index.",
+    )
 
 
 class Scrape(Strict):

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import re2
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from gateway.config.affinity import PrefixAffinity as PrefixAffinity  # re-exported: prefix affinity in a pool
 from gateway.config.base import Number, OptionalNumber, Strict
 from gateway.config.base import PoolKind as PoolKind  # re-exported: the YAML's pool kinds
 from gateway.config.controller import ControllerConfig as ControllerConfig  # re-exported: a class's block
@@ -337,6 +338,9 @@ class Pool(Strict):
         "a busy endpoint from a broken one. Unset: no admission bound for the pool.",
     )
     admission: Admission = Field(default_factory=Admission, description="Admission control (load shedding).")
+    prefix_affinity: PrefixAffinity | None = Field(
+        None, description="Prefix-cache affinity of the endpoint pick in this pool (default: defaults.prefix_affinity)."
+    )
 
     @model_validator(mode="after")
     def _kind_matches(self) -> Pool:
@@ -395,6 +399,10 @@ class Defaults(Strict):
         "out: a balancing controller (home + spill both ways by expected completion time, static route while "
         "measurements are missing); null: such classes keep their static route.",
     )
+    prefix_affinity: PrefixAffinity = Field(
+        default_factory=PrefixAffinity,
+        description="Prefix-cache affinity of the endpoint pick inside a pool, for every pool without its own block.",
+    )
 
 
 class RoutingRules(Strict):
@@ -441,6 +449,10 @@ class RoutingRules(Strict):
             if c.route.preferred == pool and c.route.saturated is not None
         ]
         return min((n for n in limits if n is not None), default=None)
+
+    def affinity_of(self, pool: Pool) -> PrefixAffinity:
+        """The pool's prefix affinity: its own block, else ``defaults.prefix_affinity``."""
+        return pool.prefix_affinity if pool.prefix_affinity is not None else self.defaults.prefix_affinity
 
     def pool(self, name: str) -> Pool:
         for p in self.pools:

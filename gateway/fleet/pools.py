@@ -1,9 +1,12 @@
 """Pools and endpoints at run time: weights, health, in-flight counts, and the endpoint pick.
 
-The pick is weighted power-of-two-choices: draw two routable endpoints with probability proportional to their
-weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means drained: the endpoint
-gets no new requests, and the ones it has run to completion. ``weight`` is the effective weight; the YAML's is
-``configured_weight`` (on-call overrides recompute ``weight`` from it: ``gateway.overrides.manager``).
+The pick first follows prefix affinity (``gateway.fleet.affinity``: the endpoint whose prefix cache holds the longest
+start of the prompt, within a load bound), when the pool has it on and the request's prompt chunks are given;
+otherwise, and for a cold prompt, it is weighted power-of-two-choices: draw two routable endpoints with probability
+proportional to their weight, keep the one with fewer in-flight requests per unit of weight. Weight 0 means
+drained: the endpoint gets no new requests, and the ones it has run to completion. ``weight`` is the effective
+weight; the YAML's is ``configured_weight`` (on-call overrides recompute ``weight`` from it:
+``gateway.overrides.manager``).
 
 An endpoint is routable while it is healthy (its last active health check passed, and no connect failure since),
 has a weight, and is not ejected. Ejection (passive outlier detection, ``gateway.routing.attempts``) takes an endpoint
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.config.affinity import PrefixAffinity
 from gateway.config.schema import Pool as PoolSpec
+from gateway.fleet.affinity import warm_pick
+from gateway.fleet.prefix_index import TOKENS_PER_CHUNK, PrefixIndex
 
 
 @dataclass(slots=True)
@@ -46,6 +52,8 @@ class EndpointState:
     ejected_here: bool = False  # the ejection came from this process's failures (not another replica's)
     queue_waiting: float = 0.0  # vLLM's waiting requests at the last good scrape (gateway.fleet.scraper)
     queue_fresh_until: float = 0.0  # monotonic; after this the scraped queue is unknown (stale), never read as 0
+    # The prompt prefixes sent here (gateway.fleet.prefix_index): what its prefix cache probably holds.
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
 
     def __post_init__(self) -> None:
         if self.configured_weight < 0:
@@ -110,17 +118,29 @@ class EndpointState:
 @dataclass(slots=True)
 class PoolState:
     """One pool at run time: its YAML spec, the models it serves, and its endpoints' state; ``pick`` chooses
-    an endpoint for an attempt (weighted power of two choices, least in-flight per weight)."""
+    an endpoint for an attempt (prefix affinity within a load bound, else weighted power of two choices, least
+    in-flight per weight)."""
 
     name: str
     spec: PoolSpec
     endpoints: list[EndpointState]
     models: frozenset[str] = field(default_factory=frozenset)
+    affinity: PrefixAffinity = field(default_factory=PrefixAffinity)
 
     @classmethod
-    def from_spec(cls, spec: PoolSpec) -> PoolState:
+    def from_spec(cls, spec: PoolSpec, affinity: PrefixAffinity | None = None) -> PoolState:
         eps = [EndpointState(e.endpoint_id, e.url, spec.name, e.weight) for e in spec.endpoints]
-        return cls(spec.name, spec, eps, frozenset(spec.models))
+        pool = cls(spec.name, spec, eps, frozenset(spec.models), affinity or PrefixAffinity())
+        pool.size_indexes()
+        return pool
+
+    def size_indexes(self) -> None:
+        """Apply the affinity block's index sizes to every endpoint (at creation, and to the endpoints a reload
+        carries over)."""
+        default = self.affinity.default_capacity_tokens // TOKENS_PER_CHUNK
+        ceiling = self.affinity.max_index_tokens // TOKENS_PER_CHUNK
+        for e in self.endpoints:
+            e.prefixes.configure(default, ceiling)
 
     def routable(self) -> list[EndpointState]:
         return [e for e in self.endpoints if e.routable]
@@ -132,14 +152,20 @@ class PoolState:
     def healthy_count(self) -> int:
         return sum(1 for e in self.endpoints if e.healthy)
 
-    def pick(self, rng: random.Random, exclude: Iterable[str] = ()) -> EndpointState | None:
-        """Weighted power of two choices among routable endpoints, least in-flight per weight wins."""
+    def pick(self, rng: random.Random, exclude: Iterable[str] = (), prompt: Sequence[int] = ()) -> EndpointState | None:
+        """The endpoint for one attempt among the routable ones not in ``exclude``: the warm one within the load
+        bound when ``prompt`` (its chunk hashes) is warm somewhere and the pool has affinity on, else weighted
+        power of two choices, least in-flight per weight."""
         skip = set(exclude)
         cands = [e for e in self.endpoints if e.routable and e.id not in skip]
         if not cands:
             return None
         if len(cands) == 1:
             return cands[0]
+        if prompt and self.affinity.enabled:
+            warm = warm_pick(cands, prompt, self.affinity)
+            if warm is not None:
+                return warm
         weights = [e.weight for e in cands]
         a, b = rng.choices(cands, weights=weights, k=2)
         if a is b:

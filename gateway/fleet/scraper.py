@@ -23,6 +23,7 @@ import aiohttp
 
 from gateway.config.schema import Scrape
 from gateway.fleet.pools import EndpointState, PoolState
+from gateway.fleet.prefix_index import TOKENS_PER_CHUNK
 from gateway.fleet.vllm_metrics import (
     EndpointLoad,
     MetricsFormatError,
@@ -161,8 +162,14 @@ class Scraper:
             else:
                 was_failed = load.failed
                 ep.note_queue(sample.waiting, at + cfg.stale_after)
+                prev = load.sample
                 if load.record(sample, at, in_flight):
                     logger.info("counters of %s/%s went down: restart assumed, new baseline", ep.pool, ep.id)
+                    ep.prefixes.clear()  # a restarted server's prefix cache is empty
+                elif prev is not None and prev.prefix_hits is not None and sample.prefix_hits is not None:
+                    ep.prefixes.observe_hits(sample.prefix_hits - prev.prefix_hits)
+                if sample.cache_tokens is not None:
+                    ep.prefixes.set_capacity(sample.cache_tokens // TOKENS_PER_CHUNK)
                 if was_failed:
                     logger.info("scrape of %s/%s works again", ep.pool, ep.id)
                 result = "ok"
@@ -207,11 +214,13 @@ class Scraper:
         now = self._clock()
         current = {(name, ep_id) for name, load in self.loads.items() for ep_id in load.endpoints}
         for pool, ep_id in self._exported - current:  # gone after a reload: its series go too
-            m.endpoint_scrape_stale.remove(pool, ep_id)
+            for per_endpoint in (m.endpoint_scrape_stale, m.prefix_measured_hit_ratio, m.prefix_index_chunks):
+                per_endpoint.remove(pool, ep_id)
         for pool in {p for p, _ in self._exported} - set(self.loads):
             for gauge in (m.pool_acceptance, m.pool_queue_depth, m.pool_batch_size):
                 gauge.remove(pool)
         self._exported = current
+        states = {(p.name, e.id): e for p in self._pools() for e in p.endpoints}
         for name, view in self.views(now).items():
             acc = view.acceptance
             m.pool_acceptance.labels(name).set(math.nan if acc is None else acc.rate)
@@ -219,6 +228,12 @@ class Scraper:
             m.pool_batch_size.labels(name).set(math.nan if view.running is None else view.running)
             for ep_id, load in self.loads[name].endpoints.items():
                 m.endpoint_scrape_stale.labels(name, ep_id).set(1 if load.stale(now) else 0)
+                d = load.deltas(now)
+                ratio = None if d is None else d.prefix_hit_ratio
+                m.prefix_measured_hit_ratio.labels(name, ep_id).set(math.nan if ratio is None else ratio)
+                state = states.get((name, ep_id))
+                if state is not None:
+                    m.prefix_index_chunks.labels(name, ep_id).set(len(state.prefixes))
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

@@ -6,6 +6,10 @@
 and its SAMPLE with it (an exposition without ``# TYPE`` lines keeps the sample name as the family name), so names
 are matched on samples, and a counter is found whichever spelling the YAML uses.
 
+The prefix-cache counters (queries and hits, in tokens) are read as the other counters; the cache's size is
+``num_gpu_blocks`` x ``block_size`` from the labels of the ``vllm:cache_config_info`` info gauge (summed over
+engines), which sizes the endpoint's prefix index (``gateway.fleet.prefix_index``).
+
 ``EndpointLoad`` keeps one endpoint's latest gauges (with the time they were scraped) and a window of cumulative
 counter snapshots. Rules:
 
@@ -59,6 +63,9 @@ class VllmSample:
     out_sum: float | None = None  # output tokens of the finished requests (the histogram's _sum) ...
     out_count: float | None = None  # ... and how many finished (its _count)
     created: float | None = None  # latest ``<generation_tokens>_created``: changes when the server restarts
+    prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache
+    prefix_hits: float | None = None  # ... and found there
+    cache_tokens: int | None = None  # num_gpu_blocks x block_size of vllm:cache_config_info, summed over engines
 
 
 _SUMMED = (
@@ -72,6 +79,8 @@ _SUMMED = (
     "tpot_count",
     "out_sum",
     "out_count",
+    "prefix_queries",
+    "prefix_hits",
 )
 
 
@@ -86,8 +95,13 @@ def _sample_fields(names: MetricNames) -> dict[str, str]:
         names.request_generation_tokens + "_sum": "out_sum",
         names.request_generation_tokens + "_count": "out_count",
     }
+    out[names.cache_config_info] = "cache_config"
     for fld in ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "generation_tokens"):
         base = str(getattr(names, fld)).removesuffix("_total")
+        out[base] = fld
+        out[base + "_total"] = fld
+    for fld, name in (("prefix_queries", names.prefix_cache_queries), ("prefix_hits", names.prefix_cache_hits)):
+        base = name.removesuffix("_total")
         out[base] = fld
         out[base + "_total"] = fld
     out[names.generation_tokens.removesuffix("_total") + "_created"] = "created"
@@ -101,6 +115,7 @@ def parse_vllm_metrics(text: str, names: MetricNames) -> VllmSample:
     kv: float | None = None
     created: float | None = None
     per_pos: dict[int, float] = {}
+    cache_tokens: int | None = None
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -111,6 +126,10 @@ def parse_vllm_metrics(text: str, names: MetricNames) -> VllmSample:
                     kv = s.value if kv is None else max(kv, s.value)
                 elif fld == "created":
                     created = s.value if created is None else max(created, s.value)
+                elif fld == "cache_config":
+                    size = _cache_tokens(s.labels)
+                    if size is not None:
+                        cache_tokens = size + (cache_tokens or 0)
                 elif fld == "accepted_per_pos":
                     pos = s.labels.get("position", "")
                     if pos.isdecimal() and int(pos) < MAX_POSITIONS:
@@ -136,7 +155,22 @@ def parse_vllm_metrics(text: str, names: MetricNames) -> VllmSample:
         out_sum=sums.get("out_sum"),
         out_count=sums.get("out_count"),
         created=created,
+        prefix_queries=sums.get("prefix_queries"),
+        prefix_hits=sums.get("prefix_hits"),
+        cache_tokens=cache_tokens,
     )
+
+
+MAX_CACHE_TOKENS = 1 << 40  # a label beyond this is garbage, not a cache size
+
+
+def _cache_tokens(labels: Mapping[str, str]) -> int | None:
+    """num_gpu_blocks x block_size from the labels of vllm:cache_config_info; None when either is missing or odd."""
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    if not (blocks.isdecimal() and size.isdecimal()) or len(blocks) > 12 or len(size) > 6:
+        return None
+    tokens = int(blocks) * int(size)
+    return tokens if 0 < tokens <= MAX_CACHE_TOKENS else None
 
 
 def parse_vllm_metrics_bytes(body: bytes, names: MetricNames) -> VllmSample:
@@ -176,6 +210,8 @@ class WindowDeltas:
     tpot_count: float = 0.0
     out_sum: float = 0.0
     out_count: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
 
     def __add__(self, other: WindowDeltas) -> WindowDeltas:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -192,6 +228,8 @@ class WindowDeltas:
             tpot_count=self.tpot_count + other.tpot_count,
             out_sum=self.out_sum + other.out_sum,
             out_count=self.out_count + other.out_count,
+            prefix_queries=self.prefix_queries + other.prefix_queries,
+            prefix_hits=self.prefix_hits + other.prefix_hits,
         )
 
     def acceptance(self) -> Acceptance | None:
@@ -203,6 +241,11 @@ class WindowDeltas:
             per_position=tuple(x / self.drafts for x in self.accepted_per_pos),
             drafts=self.drafts,
         )
+
+    @property
+    def prefix_hit_ratio(self) -> float | None:
+        """Prompt tokens found in the prefix cache / prompt tokens looked up, over the window."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries > 0 else None
 
     @property
     def tpot_mean_s(self) -> float | None:
@@ -223,14 +266,22 @@ class WindowDeltas:
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
     t: float
-    counters: tuple[float, ...]  # drafts, draft_tokens, accepted, generation_tokens, tpot sum/count, out sum/count
+    counters: tuple[float, ...]  # drafts, draft_tokens, accepted, generation_tokens, tpot and out sum/count, prefix
     per_pos: tuple[float, ...]
     created: float | None
 
     @classmethod
     def of(cls, sample: VllmSample, t: float) -> _Snapshot:
         values = (sample.drafts, sample.draft_tokens, sample.accepted, sample.generation_tokens)
-        counters = (*values, sample.tpot_sum, sample.tpot_count, sample.out_sum, sample.out_count)
+        counters = (
+            *values,
+            sample.tpot_sum,
+            sample.tpot_count,
+            sample.out_sum,
+            sample.out_count,
+            sample.prefix_queries,
+            sample.prefix_hits,
+        )
         return cls(t, tuple(0.0 if v is None else v for v in counters), sample.accepted_per_pos, sample.created)
 
     def is_reset_of(self, prev: _Snapshot) -> bool:
@@ -257,6 +308,8 @@ class _Snapshot:
             tpot_count=d[5],
             out_sum=d[6],
             out_count=d[7],
+            prefix_queries=d[8],
+            prefix_hits=d[9],
         )
 
 

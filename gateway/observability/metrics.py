@@ -229,6 +229,36 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # Prefix affinity (gateway.fleet.affinity): what the gateway predicted against what the servers measured.
+        self.prefix_predicted_hit_tokens = Counter(
+            "specgate_prefix_predicted_hit_tokens",
+            "Prompt tokens the gateway expected the endpoint's prefix cache to hold when it sent a request there "
+            "(approximate: warm 64-character chunks x 16).",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.prefix_prompt_tokens = Counter(
+            "specgate_prefix_prompt_tokens",
+            "Prompt tokens the gateway sent to the endpoint and recorded in its prefix index (whole chunks x 16).",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.prefix_measured_hit_ratio = Gauge(
+            "specgate_prefix_measured_hit_ratio",
+            "The endpoint's prefix-cache hit rate over the scrape window (scraped vllm:prefix_cache_hits / "
+            "vllm:prefix_cache_queries deltas); NaN when unknown.",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.prefix_index_chunks = Gauge(
+            "specgate_prefix_index_chunks",
+            "Chunks (about 16 tokens each) in the gateway's prefix index of the endpoint.",
+            ["pool", "endpoint"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self._prefix: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.scrapes = Counter(
             "specgate_scrapes_total",
             "Scrapes of the endpoints' /metrics by result (ok, timeout, error, bad_status, malformed).",
@@ -317,6 +347,20 @@ class GatewayMetrics:
         if child is None:
             child = self._in_flight[pool] = self.in_flight.labels(pool)
         return child
+
+    def prefix_sent(self, pool: str, endpoint: str, chunks: int, warm_chunks: int) -> None:
+        """A prompt recorded in an endpoint's prefix index: its size and the part predicted warm, in chunks of
+        about 16 tokens."""
+        key = (pool, endpoint)
+        children = self._prefix.get(key)
+        if children is None:
+            children = self._prefix[key] = (
+                self.prefix_prompt_tokens.labels(pool, endpoint),
+                self.prefix_predicted_hit_tokens.labels(pool, endpoint),
+            )
+        children[0].inc(chunks * 16)
+        if warm_chunks:
+            children[1].inc(warm_chunks * 16)
 
     def limit_refused(self, limit: str) -> None:
         """Count one refusal by a limit (``limit_refusals``); ``limit`` is one of a fixed set of names."""

@@ -48,7 +48,7 @@ from gateway.proxy.headers import client_response_headers, upstream_request_head
 from gateway.proxy.job import Opened, ProxyJob, response_headers
 from gateway.proxy.pool_answer import check_status
 from gateway.proxy.stall import StallWatch, abort_client
-from gateway.proxy.stream_tap import StreamTap, sample_from_body, with_include_usage
+from gateway.proxy.stream_tap import StreamTap, cached_tokens_of, sample_from_body, with_include_usage
 from gateway.proxy.wire import (
     JSON_CONTENT_TYPE,
     SSE_CONTENT_TYPE,
@@ -160,8 +160,8 @@ class ProxyExchange:
             self._stall.done()
             stored = None
             try:
-                if self._tap is not None and self._tap.sample is not None:
-                    self.job.record.spec = self._tap.sample
+                if self._tap is not None:
+                    self.job.record.spec, self.job.record.cached_tokens = self._tap.sample, self._tap.cached_tokens
                 self._cleanup()
                 if claim is not None:
                     self.job.record.idempotency, stored = claim.outcome()
@@ -253,7 +253,7 @@ class ProxyExchange:
         failures: list[AttemptFailure] = []
         full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
         sent = 0
-        tries = candidates(job.plan, self.pools, self.rng) if job.pinned is None else iter((job.pinned,))
+        tries = candidates(job.plan, self.pools, self.rng, job.prompt) if job.pinned is None else iter((job.pinned,))
         for pool, ep in tries:
             if sent >= job.max_attempts:
                 break
@@ -282,6 +282,8 @@ class ProxyExchange:
                 rec.upstream_start = started
             ep.in_flight += 1
             metrics.pool_in_flight(pool.name).inc()
+            if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt
+                metrics.prefix_sent(pool.name, ep.id, len(job.prompt), ep.prefixes.record(job.prompt))
             opened: Opened | None = None
             try:
                 opened = await self._attempt(pool, ep, client, headers)
@@ -433,8 +435,10 @@ class ProxyExchange:
         self.committed = True
         self._last_send = True
         await send({"type": "http.response.body", "body": body})
-        if resp.status == 200 and opened.pool.spec.kind == "speculative":
-            rec.spec = sample_from_body(body)
+        if resp.status == 200:
+            rec.cached_tokens = cached_tokens_of(body)
+            if opened.pool.spec.kind == "speculative":
+                rec.spec = sample_from_body(body)
 
     async def _relay_stream(self, send: Send, opened: Opened) -> None:
         resp, rec = opened.response, self.job.record

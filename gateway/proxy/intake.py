@@ -8,6 +8,7 @@ It works on the raw ASGI scope and receive: no Starlette request, router or midd
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope
 
 from gateway.errors import BadRequest, GatewayError
+from gateway.fleet.pools import PoolState
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import Outcome
 from gateway.proxy.dialect import CHAT, ResponsesDialect
@@ -38,6 +40,7 @@ from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import decide
+from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 
 
@@ -164,6 +167,9 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         raw, body = with_response_id(body, sticky.response_id)
     else:
         raw, body = without_request_id(raw, body)
+    prompt: tuple[int, ...] = ()
+    if route.endpoint is not None and sticky.pinned is None and _affinity_on(live.pools, plan.pools):
+        prompt = prompt_chunks(route.endpoint, body)
     job = ProxyJob(
         path=path,
         body=raw,
@@ -181,8 +187,18 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         client_addr=_client_addr(scope),
         detached=rt.detached,
         tenant=tenant,
+        prompt=prompt,
     )
     return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+
+
+def _affinity_on(pools: Mapping[str, PoolState], planned: tuple[str, ...]) -> bool:
+    """Some planned pool picks its endpoint by prefix affinity (only then is the prompt hashed)."""
+    for name in planned:
+        pool = pools.get(name)
+        if pool is not None and pool.affinity.enabled and len(pool.endpoints) > 1:
+            return True
+    return False
 
 
 def _client_addr(scope: Scope) -> str | None:

@@ -42,6 +42,7 @@ class ProxyJob:
     client_addr: str | None = None  # the client's IP address, appended to X-Forwarded-For
     detached: DetachedBudget | None = None  # keyed: may it run on after its client left (None: always)
     tenant: bytes = b"anonymous"  # the client's scope in ``detached``
+    prompt: tuple[int, ...] = ()  # the prompt's chunk hashes (gateway.routing.prompt_key), for prefix affinity
 
 
 @dataclass(slots=True)

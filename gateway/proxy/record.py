@@ -61,6 +61,7 @@ class RequestRecord:
     temperature_band: str = "unset"  # gateway.observability.acceptance.temperature_band of the client's temperature
     spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
     idempotency: str | None = None  # gateway.proxy.idempotency.Result, for requests with an Idempotency-Key
+    cached_tokens: int | None = None  # prompt tokens the pool found in its prefix cache, when its usage said so
     _finished: bool = False
 
     def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
@@ -109,6 +110,8 @@ class RequestRecord:
                 "accepted": None if spec is None else spec.accepted,
                 "drafted": None if spec is None else spec.drafted,
             }
+            if self.cached_tokens is not None:
+                line["cached_tokens"] = self.cached_tokens
             if self.error:
                 line["error"] = self.error
             if self.idempotency is not None:

@@ -33,6 +33,24 @@ def sample_from_body(body: bytes) -> SpecSample | None:
     return sample_from_metrics(data.get("metrics")) if isinstance(data, dict) else None
 
 
+_CACHED_TOKENS = re.compile(rb'"cached_tokens" ?: ?(\d{1,12})')
+
+
+def cached_tokens_of(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (chat, completions) or ``usage.input_tokens_details
+    .cached_tokens`` (Responses) of a whole response body, found by one search (no parse); None when absent."""
+    m = _CACHED_TOKENS.search(body)
+    return int(m.group(1)) if m is not None else None
+
+
+def _usage_cached(usage: Any) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
 def with_include_usage(body: Mapping[str, Any]) -> bytes | None:
     """The request body re-serialised with ``stream_options.include_usage`` on; None when it needs no change.
 
@@ -80,19 +98,20 @@ def _has_finish_reason(event: bytes) -> bool:
 class StreamTap:
     """Watches the events of a stream from a speculative pool for the final usage chunk.
 
-    It records the chunk's spec-decode metrics in ``sample``. With ``strip`` (the gateway asked for the usage
-    chunk, the client did not) the chunk — the event with ``"choices":[]`` and ``usage`` right before ``[DONE]``
-    — is held back and dropped once ``[DONE]`` follows. vLLM moves ``system_fingerprint`` from the last token
-    chunk to the usage chunk when usage is on, so while stripping the chunk that carries a ``finish_reason`` is
-    held until the next event, and gets the fingerprint back if the usage chunk carried one. Every other event
-    passes unchanged, in order.
+    It records the chunk's spec-decode metrics in ``sample`` and its cached prompt tokens in ``cached_tokens``.
+    With ``strip`` (the gateway asked for the usage chunk, the client did not) the chunk — the event with
+    ``"choices":[]`` and ``usage`` right before ``[DONE]`` — is held back and dropped once ``[DONE]`` follows.
+    vLLM moves ``system_fingerprint`` from the last token chunk to the usage chunk when usage is on, so while
+    stripping the chunk that carries a ``finish_reason`` is held until the next event, and gets the fingerprint
+    back if the usage chunk carried one. Every other event passes unchanged, in order.
     """
 
-    __slots__ = ("_held_finish", "_held_usage", "sample", "strip")
+    __slots__ = ("_held_finish", "_held_usage", "cached_tokens", "sample", "strip")
 
     def __init__(self, strip: bool) -> None:
         self.strip = strip
         self.sample: SpecSample | None = None
+        self.cached_tokens: int | None = None
         self._held_finish: bytes | None = None
         self._held_usage: bytes | None = None
 
@@ -154,6 +173,7 @@ class StreamTap:
         sample = sample_from_metrics(data.get("metrics"))
         if sample is not None:
             self.sample = sample
+        self.cached_tokens = _usage_cached(data.get("usage"))
         return data
 
 

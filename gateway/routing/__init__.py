@@ -2,6 +2,7 @@
 
 - ``classify``: body + headers + rules → ``RequestFeatures`` and a traffic class; ``responses_features``: the same
   features read from a Responses API body.
+- ``prompt_key``: a request's prompt rendered once and cut into chained chunk hashes, for prefix affinity.
 - ``plan``: class + live pool views → an ordered attempt ``Plan`` (``plan_route``).
 - ``decision``: the two together for one request (``decide``), shared by the proxy and explain.
 - ``controller`` / ``route_state``: per-class controllers (hysteresis, hold, guard) and their state for all classes;

@@ -33,7 +33,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -127,9 +127,10 @@ def failure_result(exc: UpstreamError, *, queueing: bool = False) -> AttemptResu
 
 
 def candidates(
-    plan: Plan, pools: Mapping[str, PoolState], rng: random.Random
+    plan: Plan, pools: Mapping[str, PoolState], rng: random.Random, prompt: Sequence[int] = ()
 ) -> Iterator[tuple[PoolState, EndpointState]]:
-    """Pools in plan order, one endpoint each, then round again with endpoints not yet tried."""
+    """Pools in plan order, one endpoint each, then round again with endpoints not yet tried. ``prompt``: the
+    request's chunk hashes, for the pools' prefix affinity (``PoolState.pick``)."""
     tried: set[str] = set()
     while True:
         progressed = False
@@ -137,7 +138,7 @@ def candidates(
             pool = pools.get(name)
             if pool is None:
                 continue
-            ep = pool.pick(rng, exclude=tried)
+            ep = pool.pick(rng, exclude=tried, prompt=prompt)
             if ep is None:
                 continue
             tried.add(ep.id)

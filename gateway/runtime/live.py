@@ -48,7 +48,7 @@ class LiveConfig:
 
     @classmethod
     def build(cls, rules: RoutingRules, source: str, text: str, previous: LiveConfig | None = None) -> LiveConfig:
-        pools = {p.name: PoolState.from_spec(p) for p in rules.pools}
+        pools = {p.name: PoolState.from_spec(p, rules.affinity_of(p)) for p in rules.pools}
         classifier = Classifier(rules)  # can fail (RE2 set compile): before anything touches the live endpoints
         clients = _clients(rules, previous)
         if previous is not None:
@@ -62,6 +62,7 @@ class LiveConfig:
                         prev.weight = ep.weight
                         prev.configured_weight = ep.configured_weight
                         pool.endpoints[i] = prev
+                pool.size_indexes()  # the reloaded affinity block's sizes apply to the carried-over indexes too
         models = tuple(dict.fromkeys(m for p in rules.pools for m in p.models))
         return cls(
             rules=rules,
