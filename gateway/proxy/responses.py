@@ -238,7 +238,9 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response | Pr
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+        return Response(
+            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
+        )
     rec.route_reason, rec.stream = "sticky", stream
     job = ProxyJob(
         path=f"/v1/responses/{rid}{suffix}{query}",

@@ -294,7 +294,9 @@ class Runtime:
             self.authenticate(authorization)
             return
         if not authorization or not authorization[:7].lower() == "bearer ":
-            raise Unauthorized("missing metrics token: send 'Authorization: Bearer <token>'", code="invalid_metrics_token")
+            raise Unauthorized(
+                "missing metrics token: send 'Authorization: Bearer <token>'", code="invalid_metrics_token"
+            )
         digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
         if not hmac.compare_digest(digest, self._metrics_digest):
             raise Unauthorized("invalid metrics token", code="invalid_metrics_token")
