@@ -29,6 +29,11 @@
 
 Errors from the upstream that carry their own status (vLLM's 400 for a prompt too long, say) are not raised:
 they are relayed with their status, and only their envelope is normalised (``gateway.proxy.wire.normalise_error``).
+
+What a client reads is not always ``message``. An error whose message names an endpoint or quotes what a pool sent
+(a parser error, the pool's own error text) carries a ``public`` text for the client, and the upstream errors say
+only their kind (``UpstreamError.brief``); ``message`` goes to the log line, which the request id ties to the answer
+(``envelope(request_id)`` adds it to the client's text).
 """
 
 from __future__ import annotations
@@ -51,15 +56,24 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        public: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = message  # the whole story, for the log line
         self.param = param
         self.code = code if code is not None else self.default_code
         self.headers: dict[str, str] = dict(headers or {})
+        self.public = public  # what the client reads when ``message`` holds what only the log may show
 
-    def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    @property
+    def client_message(self) -> str:
+        """The text of the client's envelope: ``public`` when set, else ``message``."""
+        return self.message if self.public is None else self.public
+
+    def envelope(self, request_id: str | None = None) -> dict[str, Any]:
+        """The OpenAI envelope the client gets; ``request_id`` (the one in the log line) ends its message."""
+        message = self.client_message if request_id is None else f"{self.client_message} (request id {request_id})"
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class BadRequest(GatewayError):
@@ -162,21 +176,36 @@ class OverrideStoreUnavailable(NoCapacity):
 
 
 class UpstreamError(GatewayError):
-    """The upstream failed before the commit point and no other pool could take the request."""
+    """The upstream failed before the commit point and no other pool could take the request.
+
+    ``message`` names the endpoint and quotes what went wrong (a parser error, the pool's own words): the log's.
+    The client reads only the kind of failure, ``brief``."""
 
     status = 502
     type = "upstream_error"
     default_code = "upstream_error"
     retryable: ClassVar[bool] = False
+    kind: ClassVar[str] = "the pool's answer was not usable"  # ``brief`` unless ``public`` says more
+
+    @property
+    def brief(self) -> str:
+        """The failure in a few words a client may read: no endpoint, URL or upstream text in it."""
+        return self.public if self.public is not None else self.kind
+
+    @property
+    def client_message(self) -> str:
+        return f"the upstream attempt failed: {self.brief}"
 
 
 class UpstreamConnectError(UpstreamError):
     default_code = "upstream_connect_error"
     retryable = True
+    kind = "the connection to the pool broke"
 
 
 class UpstreamUnreachable(UpstreamConnectError):
     default_code = "upstream_unreachable"
+    kind = "the pool could not be reached"
 
 
 class UpstreamResponseTooLarge(UpstreamError):
@@ -185,9 +214,13 @@ class UpstreamResponseTooLarge(UpstreamError):
 
     default_code = "upstream_response_too_large"
 
-    def __init__(self, message: str, *, limit: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, limit: str, public: str | None = None) -> None:
+        super().__init__(message, public=public)
         self.limit = limit  # the limit's name in specgate_limit_refusals_total
+
+    @property
+    def brief(self) -> str:
+        return self.public if self.public is not None else f"the pool's response went past the {self.limit} limit"
 
 
 class UpstreamPoolFull(UpstreamError):
@@ -197,9 +230,11 @@ class UpstreamPoolFull(UpstreamError):
     status = 503
     default_code = "upstream_busy"
     retryable = True
+    kind = "no free connection to the pool in time"
 
 
 class UpstreamTimeout(UpstreamError):
     status = 504
     default_code = "upstream_timeout"
     retryable = True
+    kind = "the pool did not answer in time"

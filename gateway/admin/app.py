@@ -26,7 +26,10 @@ Token policy. The token is ``SPECGATE_ADMIN_TOKEN`` (environment only: never a f
   works here; the token may not equal a client key (refused at start-up).
 - no token: the read-only routes (explain only reads) answer anyone who can reach the listener, which is
   loopback-only by default (``gateway.cli.serve`` refuses a non-loopback address without a token); routes that change
-  something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token.
+  something (``changes`` below: POST /admin/reload, ...) are refused with 403, saying to set the token. And the
+  ``Host`` header must name the listener itself (``localhost``, ``127.0.0.1``, ``[::1]`` or ``--admin-host``, any
+  port): else 421 ``invalid_host``. That stops DNS rebinding, a web page whose own name was made to resolve to
+  127.0.0.1 reading the admin API through the browser of someone on this machine.
 
 Several workers (``--workers N``): every worker serves this app on the one admin socket (``gateway.cli.serve``).
 Reads first re-read the overrides from the shared store (Redis), so a change made through another worker or
@@ -64,6 +67,7 @@ from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
 
 MAX_AUDIT_LIMIT = 1000
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})  # Host names of a loopback listener (any port)
 
 
 class AdminAuth:
@@ -77,9 +81,11 @@ class AdminAuth:
         public: Sequence[BaseRoute] = (),
         refused: Sequence[BaseRoute] = (),
         refused_because: str = "",
+        hosts: frozenset[str] = LOOPBACK_NAMES,
     ) -> None:
         self.app = app
         self._digest = None if token is None else hashlib.sha256(token.encode()).digest()
+        self._hosts = hosts  # without a token: the Host names this listener answers (``own_host_names``)
         self._changes = tuple(changes)
         self._public = tuple(public)  # the console's shell: no data, so no token (``gateway.admin.ui``)
         # Changes that would reach only the worker answering (``--workers N --per-worker-state``): 409, not applied.
@@ -101,11 +107,21 @@ class AdminAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = Headers(scope=scope)
+        if self._digest is None and not host_allowed(headers.get("host"), self._hosts):
+            body = envelope(
+                "this admin listener answers only requests addressed to it by a local name (localhost, 127.0.0.1, "
+                f"[::1]); set {TOKEN_ENV} to reach it under other names",
+                "invalid_request_error",
+                code="invalid_host",
+            )
+            await json_response(body, 421)(scope, receive, send)
+            return
         if any(r.matches(scope)[0] == Match.FULL for r in self._public):
             await self.app(scope, receive, send)
             return
         response: Response | None = None
-        exc = self._check(Headers(scope=scope).get("authorization"))
+        exc = self._check(headers.get("authorization"))
         if exc is not None:
             exc.headers["www-authenticate"] = 'Bearer realm="specgate-admin"'
             response = json_response(exc.envelope(), exc.status, exc.headers)
@@ -122,6 +138,34 @@ class AdminAuth:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def own_host_names(admin_host: str) -> frozenset[str]:
+    """The names a loopback admin listener answers to in ``Host`` (lower case, IPv6 in brackets)."""
+    bound = admin_host.lower()
+    return LOOPBACK_NAMES | {f"[{bound}]" if ":" in bound else bound}
+
+
+def host_allowed(host: str | None, names: frozenset[str]) -> bool:
+    """Whether a ``Host`` header names this listener: one of ``names``, with any port or none. No header at all (an
+    HTTP/1.0 client) is allowed: a browser always sends one, and the check is against browsers (DNS rebinding)."""
+    if host is None:
+        return True
+    host = host.strip().lower()
+    name, port = host, ""
+    if host.startswith("["):
+        end = host.find("]")
+        if end < 0:
+            return False
+        name, port = host[: end + 1], host[end + 1 :]
+        if port and not port.startswith(":"):
+            return False
+        port = port[1:]
+    elif ":" in host:
+        name, _, port = host.partition(":")
+    if port and not (port.isdigit() and len(port) <= 5):
+        return False
+    return name in names
 
 
 def _runtime(request: Request) -> Runtime:
@@ -344,7 +388,13 @@ def create_admin_app(runtime: Runtime, token: str | None) -> Starlette:
     refusal = per_worker_refusal(runtime)
     refused = [r for r in changes if refusal is not None and getattr(r, "path", "") != "/admin/reload"]
     auth = Middleware(
-        AdminAuth, token=token, changes=changes, public=public, refused=refused, refused_because=refusal or ""
+        AdminAuth,
+        token=token,
+        changes=changes,
+        public=public,
+        refused=refused,
+        refused_because=refusal or "",
+        hosts=own_host_names(runtime.settings.admin_host),
     )
     app = Starlette(
         routes=routes + changes + public,

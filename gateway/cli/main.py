@@ -28,6 +28,19 @@ app = typer.Typer(
 )
 
 
+def _keys_from_env(ctx: typer.Context, param: typer.CallbackParam, value: str) -> str:
+    """A secret's option: from its environment variable only. On the command line every user of the machine reads
+    it (``ps``, /proc/PID/cmdline), so it is refused there, with the ways that keep it private."""
+    source = ctx.get_parameter_source(param.name or "")
+    if source is not None and source.name == "COMMANDLINE":
+        raise _fail(
+            "--api-keys on the command line is refused: every user of this machine can read it in `ps`. Set "
+            "SPECGATE_API_KEYS in the environment, or put the keys in a file (one per line) for --api-keys-file "
+            "(SPECGATE_API_KEYS_FILE)"
+        )
+    return value
+
+
 def _version(value: bool) -> None:
     if value:
         out.print(f"specgate {__version__}")
@@ -86,11 +99,19 @@ def serve(
         ),
     ] = 256 * 1024 * 1024,
     api_keys: Annotated[
-        str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
+        str,
+        typer.Option(
+            envvar="SPECGATE_API_KEYS",
+            hidden=True,  # environment only: refused on the command line (_keys_from_env)
+            callback=_keys_from_env,
+            help="Client API keys, comma-separated (none = open); from SPECGATE_API_KEYS only.",
+        ),
     ] = "",
     api_keys_file: Annotated[
         Path | None,
-        typer.Option(envvar="SPECGATE_API_KEYS_FILE", help="File with one client API key per line."),
+        typer.Option(
+            envvar="SPECGATE_API_KEYS_FILE", help="File with one client API key per line (or SPECGATE_API_KEYS)."
+        ),
     ] = None,
     health_interval_s: Annotated[
         float, typer.Option("--health-interval", envvar="SPECGATE_HEALTH_INTERVAL_S", help="Seconds between checks.")
@@ -147,6 +168,7 @@ def serve(
             idempotency_memory_bytes=idempotency_memory_bytes,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
+            metrics_token=os.environ.get("SPECGATE_METRICS_TOKEN", "").strip() or None,  # environment only
             health_interval_s=health_interval_s,
             health_timeout_s=health_timeout_s,
             log_level=log_level,  # type: ignore[arg-type]

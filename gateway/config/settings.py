@@ -64,8 +64,13 @@ class Settings:
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
     idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
-    api_keys: str = ""
+    # Client keys: from SPECGATE_API_KEYS or the keys file only (``specgate serve`` refuses them as a flag, which
+    # every user of the machine could read in ``ps``). Kept out of repr.
+    api_keys: str = field(default="", repr=False)
     api_keys_file: Path | None = None
+    # The bearer token that opens /metrics (SPECGATE_METRICS_TOKEN, environment only): for Prometheus, which then
+    # needs no client key. None: /metrics follows the client keys (open without keys, a key with them).
+    metrics_token: str | None = field(default=None, repr=False)
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
     log_level: LogLevel = "info"

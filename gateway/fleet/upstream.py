@@ -65,7 +65,7 @@ class UpstreamResponse:
         try:
             return await self.raw.read()
         except ResponseTooLarge as exc:
-            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
+            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit, public=str(exc)) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while reading the body") from exc
         except OSError as exc:
@@ -77,7 +77,7 @@ class UpstreamResponse:
             async for chunk in self.raw.iter_any():
                 yield chunk
         except ResponseTooLarge as exc:
-            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit) from exc
+            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit, public=str(exc)) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream total timeout while streaming") from exc
         except OSError as exc:
@@ -156,7 +156,7 @@ class PoolClient:
         except ConnectFailed as exc:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except ResponseTooLarge as exc:
-            raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit=exc.limit) from exc
+            raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit=exc.limit, public=str(exc)) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no response from {ep.id} within the total timeout") from exc
         except OSError as exc:

@@ -171,7 +171,9 @@ async def ready(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    m = _runtime(request).metrics
+    rt = _runtime(request)
+    rt.authenticate_metrics(request.headers.get("authorization"))  # names and traffic: not for strangers
+    m = rt.metrics
     if m.shared_dir is None:
         body = m.render()
     else:  # merging N workers' files costs about N renders: off the event loop, which keeps proxying

@@ -145,7 +145,7 @@ class ProxyExchange:
                 self._last_send = True
                 with contextlib.suppress(Exception):
                     body = self.job.dialect.failure(
-                        "internal error in the gateway", type_="internal_error", code="internal_error"
+                        self._for_client("internal error in the gateway"), type_="internal_error", code="internal_error"
                     )
                     await send({"type": "http.response.body", "body": body, "more_body": False})
             logger.exception("error after the commit point of %s", self.job.record.request_id)
@@ -372,7 +372,7 @@ class ProxyExchange:
                     tap = StreamTap(strip) if pool.spec.kind == "speculative" and job.dialect.asks_usage else None
                     return Opened(pool, ep, resp, events, splitter, None, tap, model)
             except SSEOverflow as exc:
-                raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit="event_bytes") from exc
+                raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit="event_bytes", public=str(exc)) from exc
             except (UpstreamConnectError, UpstreamTimeout) as exc:
                 if isinstance(exc, StreamStartError):
                     raise
@@ -403,13 +403,17 @@ class ProxyExchange:
 
     # --- sending --------------------------------------------------------------------------------------
 
+    def _for_client(self, text: str) -> str:
+        """An error text the gateway writes to the client, with the request id its log line carries."""
+        return f"{text} (request id {self.job.record.request_id})"
+
     def _response_headers(
         self, content_type: str, upstream: list[tuple[bytes, bytes]] | None = None
     ) -> list[tuple[bytes, bytes]]:
         return response_headers(self.job, self._opened, content_type, upstream)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
-        body = error_bytes(exc)
+        body = error_bytes(exc, self.job.record.request_id)
         headers = self._response_headers(JSON_CONTENT_TYPE) + [(k.encode(), v.encode()) for k, v in exc.headers.items()]
         headers.append((b"content-length", str(len(body)).encode()))
         self.job.record.status = exc.status
@@ -453,6 +457,7 @@ class ProxyExchange:
             self.job.idempotency.generated = True  # from here on a retry must replay, never generate again
         done = await self._send_events(send, opened.first_events)
         rec.first_sent = time.perf_counter()
+        told = "the pool's stream ended without its end marker"  # the client's text; rec.error has the log's
         try:
             if not done:
                 async for chunk in resp.chunks():
@@ -461,16 +466,17 @@ class ProxyExchange:
                         break
         except UpstreamError as exc:
             rec.error = exc.message
+            told = f"the pool's stream broke off: {exc.brief}"
             if isinstance(exc, UpstreamResponseTooLarge):
                 self.metrics.limit_refused(exc.limit)
         except SSEOverflow as exc:
-            rec.error = str(exc)
+            rec.error = told = str(exc)  # the gateway's own limit, no upstream text in it
             self.metrics.limit_refused("event_bytes")
         if not done:
             rec.error = rec.error or "upstream closed the stream without [DONE]"
             self.outcome = "stream_error"
             held = b"".join(opened.tap.flush()) if opened.tap is not None else b""
-            failure = self.job.dialect.failure(rec.error)
+            failure = self.job.dialect.failure(self._for_client(told))
             await send({"type": "http.response.body", "body": held + failure, "more_body": True})
         self._last_send = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})

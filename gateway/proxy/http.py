@@ -78,7 +78,8 @@ def error_response(exc: Exception, method: str, path: str, extra: Iterable[tuple
     ``unknown_route`` / ``method_not_allowed`` envelopes; a client gone as an empty 499 (for the log: nobody reads
     it); anything else is a bug: logged with its traceback, and a 500 ``internal_error`` envelope that shows nothing
     of it. The caller raises a bug again for the server, as Starlette's outermost middleware does. ``extra``: headers
-    of the gateway's own errors that the request has earned so far (``x-request-id``, the decision's).
+    of the gateway's own errors that the request has earned so far (``x-request-id``, the decision's); the request
+    id also ends the error's message, so a client can quote it and the operator find the log line that says more.
     """
     if isinstance(exc, HTTPException):
         err: GatewayError
@@ -93,7 +94,7 @@ def error_response(exc: Exception, method: str, path: str, extra: Iterable[tuple
     if isinstance(exc, GatewayError):
         headers = dict(extra)
         headers.update(exc.headers)
-        return json_response(exc.envelope(), exc.status, headers)
+        return json_response(exc.envelope(headers.get("x-request-id")), exc.status, headers)
     if isinstance(exc, ClientDisconnect):
         return Response(b"", 499)
     logger.error("unhandled error on %s %s", method, path, exc_info=exc)

@@ -143,7 +143,9 @@ async def locate(
         raw = await store.recall(record_key(scope, response_id))
     except StoreUnavailable as exc:
         raise ResponseStoreUnavailable(
-            f"where response '{response_id}' lives cannot be looked up now ({exc})", param=param
+            f"where response '{response_id}' lives cannot be looked up now ({exc})",
+            param=param,
+            public=f"where response '{response_id}' lives cannot be looked up now",
         ) from exc
     holder = Holder.decode(raw) if raw is not None else None
     if holder is None:
@@ -155,6 +157,8 @@ async def locate(
             f"response '{response_id}' is held by endpoint {holder.pool}/{holder.endpoint}, which is no longer part of "
             "this gateway's config; no other server holds its state, so it is not sent anywhere else",
             param=param,
+            public=f"response '{response_id}' is held by a server that is no longer part of this gateway's config; "
+            "no other server holds its state, so it is not sent anywhere else",
             headers=_no_retry(),
         )
     if not ep.healthy:
@@ -162,6 +166,8 @@ async def locate(
             f"response '{response_id}' is held by endpoint {pool.name}/{ep.id}, which is failing its health checks; "
             "no other server holds its state, retry once it is back",
             param=param,
+            public=f"response '{response_id}' is held by a server of pool {pool.name} that is failing its health "
+            "checks; no other server holds its state, retry once it is back",
             retry_after_s=5,
         )
     return pool, ep
@@ -264,7 +270,9 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response | Pr
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+        return Response(
+            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
+        )
     rec.route_reason, rec.stream = "sticky", stream
     job = ProxyJob(
         path=f"/v1/responses/{rid}{suffix}{query}",

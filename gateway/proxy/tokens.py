@@ -60,7 +60,9 @@ async def _forward(request: Request, path: str) -> Response | ProxyExchange:
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+        return Response(
+            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
+        )
     rec.route_reason = CLASS
     job = ProxyJob(
         path=path,

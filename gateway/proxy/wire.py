@@ -31,8 +31,8 @@ def envelope(message: str, type_: str, *, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_bytes(exc: GatewayError) -> bytes:
-    return orjson.dumps(exc.envelope())
+def error_bytes(exc: GatewayError, request_id: str | None = None) -> bytes:
+    return orjson.dumps(exc.envelope(request_id))
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

@@ -89,6 +89,10 @@ class PoolStatusError(UpstreamError):
         self.busy = status == 429 if busy is None else busy
 
     @property
+    def brief(self) -> str:
+        return f"HTTP {self.upstream_status}"  # the status only: the pool's own text is for the log
+
+    @property
     def permanent(self) -> bool:
         """A retry by the client cannot help either (the gateway's credentials for the pool are wrong)."""
         return self.upstream_status in CREDENTIAL_STATUS
@@ -96,6 +100,8 @@ class PoolStatusError(UpstreamError):
 
 class StreamStartError(UpstreamConnectError):
     """A 200 event stream that failed before its first event (error event, broken connection, not SSE)."""
+
+    kind = "the pool's stream failed before its first event"
 
 
 def status_result(status: int) -> AttemptResult:
@@ -301,8 +307,10 @@ class AttemptPolicy:
         """The answer of a request whose attempts are over: 503 ``overloaded`` when it met only back-pressure (or
         was never sent: every planned pool full), else the 503 of ``exhausted``."""
         if failures and all(f.backpressure for f in failures):
-            listing = "; ".join(f"{f.pool}/{f.endpoint}: {f.error.message}" for f in failures)
-            return self.overloaded(f"every pool that can serve this request is busy: {listing}", "busy")
+            what = "every pool that can serve this request is busy"
+            busy = self.overloaded(f"{what}: {log_listing(failures)}", "busy")
+            busy.public = f"{what}: {client_listing(failures)}"
+            return busy
         if not failures and full:
             return self.overloaded(f"every pool that can serve this request is full ({', '.join(full)})", "admission")
         return exhausted(failures)
@@ -336,6 +344,17 @@ class AttemptPolicy:
             self.metrics.endpoint_ejections.labels(ep.pool, ep.id).inc()
 
 
+def log_listing(failures: list[AttemptFailure]) -> str:
+    """Every attempt's error as the log shows it: endpoint and all (``pool/endpoint: message; ...``)."""
+    return "; ".join(f"{f.pool}/{f.endpoint}: {f.error.message}" for f in failures)
+
+
+def client_listing(failures: list[AttemptFailure]) -> str:
+    """Every attempt's error as a client reads it: the pool and the kind of failure (``pool: brief; ...``), never
+    the endpoint, its URL or what the pool said (those are in the log line of the same request id)."""
+    return "; ".join(f"{f.pool}: {f.error.brief}" for f in failures)
+
+
 @dataclass(frozen=True, slots=True)
 class AttemptFailure:
     """An attempt that failed before the commit point: where, the error, and its result label."""
@@ -351,22 +370,28 @@ class AttemptFailure:
 
 
 def exhausted(failures: list[AttemptFailure], *, budget_refused: bool = False) -> NoCapacity:
-    """The 503 of a request whose attempts are used up: every attempt's error in the message, ``Retry-After``,
+    """The 503 of a request whose attempts are used up: every attempt's error in the message (the client's names the
+    pool and the kind of failure only: ``client_listing``), ``Retry-After``,
     and ``x-should-retry: false`` when every attempt failed in a way a client retry cannot change."""
     if not failures:
         return NoCapacity("no endpoint of the planned pools can take the request", retry_after_s=2)
-    listing = "; ".join(f"{f.pool}/{f.endpoint}: {f.error.message}" for f in failures)
     n = len(failures)
     if budget_refused:
-        message = f"{n} attempt(s) failed and the retry budget allows no retry now: {listing}"
+        what = f"{n} attempt(s) failed and the retry budget allows no retry now"
         code = "retry_budget_exhausted"
     else:
-        message = f"all {n} attempt(s) failed: {listing}"
+        what = f"all {n} attempt(s) failed"
         code = "upstream_timeout" if isinstance(failures[-1].error, UpstreamTimeout) else "upstream_unavailable"
     headers = {}
     if all(isinstance(f.error, PoolStatusError) and f.error.permanent for f in failures):
         headers["x-should-retry"] = "false"
-    return NoCapacity(message, retry_after_s=2, code=code, headers=headers)
+    return NoCapacity(
+        f"{what}: {log_listing(failures)}",
+        retry_after_s=2,
+        code=code,
+        headers=headers,
+        public=f"{what}: {client_listing(failures)}",
+    )
 
 
 def describe_status(status: int, body: bytes) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import logging
 import random
 import time
@@ -66,6 +67,8 @@ class Runtime:
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
+        token = (settings.metrics_token or "").strip()
+        self._metrics_digest = hashlib.sha256(token.encode()).digest() if token else None
         self.health = HealthChecker(
             lambda: self.live.pools.values(),
             self.metrics,
@@ -283,6 +286,20 @@ class Runtime:
         digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
         if digest not in self._key_digests:
             raise Unauthorized("invalid API key")
+
+    def authenticate_metrics(self, authorization: str | None) -> None:
+        """Who may read /metrics (pool and endpoint names, every class's traffic): with a metrics token, only its
+        bearer (not a client key: a tenant does not see the others' traffic); without one, as the client API."""
+        if self._metrics_digest is None:
+            self.authenticate(authorization)
+            return
+        if not authorization or not authorization[:7].lower() == "bearer ":
+            raise Unauthorized(
+                "missing metrics token: send 'Authorization: Bearer <token>'", code="invalid_metrics_token"
+            )
+        digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        if not hmac.compare_digest(digest, self._metrics_digest):
+            raise Unauthorized("invalid metrics token", code="invalid_metrics_token")
 
     @property
     def ready(self) -> tuple[bool, str]:

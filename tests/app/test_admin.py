@@ -44,7 +44,7 @@ def make_runtime(tmp_path: Path, rules: dict[str, Any] | None = None, **settings
 
 def client_for(app: Starlette, token: str | None = TOKEN) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin", headers=headers)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", headers=headers)
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         rt: Runtime = app.state.runtime
         admin = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=create_admin_app(rt, TOKEN)),
-            base_url="http://admin",
+            base_url="http://localhost",
             headers={"authorization": f"Bearer {TOKEN}"},
         )
         proxy = httpx.AsyncClient(
@@ -158,7 +158,7 @@ async def test_unknown_targets_are_404(rig: Rig) -> None:
 
 async def test_changes_are_refused_without_a_configured_token(rig: Rig) -> None:
     app = create_admin_app(rig.rt, None)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         for method, path, body in [*CHANGES, ("DELETE", "/admin/overrides/ovr_000000000000", None)]:
             err = assert_envelope(await c.request(method, path, json=body), 403, "admin_token_not_set")
             assert "SPECGATE_ADMIN_TOKEN" in err["message"]

@@ -109,7 +109,7 @@ def admin_app(rt: Runtime) -> Starlette:
 async def client(admin_app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
     headers = {"authorization": f"Bearer {TOKEN}"}
     transport = httpx.ASGITransport(app=admin_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://admin", headers=headers) as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost", headers=headers) as c:
         yield c
 
 

@@ -110,8 +110,12 @@ async def test_healthy_holder_gets_exactly_one_attempt(gw: tuple[httpx.AsyncClie
     assert r.status_code == 503  # the holder refuses connections; no other pool is tried
     assert r.headers["x-specgate-route"] == "sticky"
     assert r.headers["x-specgate-attempts"] == "1"
-    assert "spec/spec-0" in r.json()["error"]["message"]
-    assert "std" not in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "spec: " in message  # the pool tried, not its endpoint (that is in the log line)
+    assert "spec-0" not in message
+    assert SPEC_URL not in message
+    assert "std" not in message
+    assert message.endswith(f"(request id {r.headers['x-request-id']})")
 
 
 async def test_records_are_per_api_key(gw: tuple[httpx.AsyncClient, Runtime]) -> None:

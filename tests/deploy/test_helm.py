@@ -548,6 +548,22 @@ def test_monitoring_objects_only_when_enabled(default_docs: list[Doc], full_docs
     assert {"sourceLabels": ["__meta_kubernetes_service_label_specgate_io_pool"], "targetLabel": "pool"} in relabel
 
 
+def test_keyed_gateways_are_scraped_with_the_metrics_token(default_docs: list[Doc], full_docs: list[Doc]) -> None:
+    # With client keys /metrics needs a bearer: the ServiceMonitor sends the metrics token the gateway reads.
+    monitor = one(full_docs, "ServiceMonitor", f"{RELEASE}-specgate")
+    secret = {"name": "specgate-metrics-token", "key": "metrics-token"}
+    assert monitor["spec"]["endpoints"][0]["authorization"] == {"type": "Bearer", "credentials": secret}
+    env = env_of(gateway_container(full_docs))
+    assert env["SPECGATE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == secret
+    assert "SPECGATE_METRICS_TOKEN" not in env_of(gateway_container(default_docs))
+    # keys and a ServiceMonitor without the token: refused, saying what to set
+    sets = {
+        "serviceMonitor.enabled": "true",
+        "gateway.apiKeysSecret.name": "keys",
+    }
+    assert "gateway.metricsTokenSecret" in render_fails(sets)
+
+
 def test_prometheus_rule_carries_the_alerts(full_docs: list[Doc]) -> None:
     (rule,) = by_kind(full_docs, "PrometheusRule")
     alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yaml").read_text())

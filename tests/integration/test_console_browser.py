@@ -73,10 +73,11 @@ class Serve:
         self.port, self.admin_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if k != "SPECGATE_ADMIN_TOKEN"}
         env["SPECGATE_LOG_LEVEL"] = "warning"
+        env["SPECGATE_API_KEYS"] = CLIENT_KEY  # from the environment: never a command-line flag (``ps``)
         if token is not None:
             env["SPECGATE_ADMIN_TOKEN"] = token
         cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--admin-port", str(self.admin_port), "--api-keys", CLIENT_KEY]
+        cmd += ["--port", str(self.port), "--admin-port", str(self.admin_port)]
         cmd += ["--health-interval", "0.5"]
         self._log = log.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -376,7 +376,7 @@ def test_retry_refused_by_the_budget(faulty: tuple[SimServer, SimServer], gatewa
     assert seen.headers["retry-after"]
     err = orjson.loads(seen.body)["error"]
     assert err["code"] == "retry_budget_exhausted"
-    assert "spec/spec-0: HTTP 503" in err["message"]
+    assert "spec: HTTP 503" in err["message"]
     assert metric(gw, "specgate_upstream_attempts_total", 'result="budget_exhausted"') == 1
     got = (generations(spec, request_id), generations(std, request_id))
     assert got == (0, 0)

@@ -291,7 +291,12 @@ def _check(faults: list[str], stream: bool, max_attempts: int, min_retries: int,
         assert out.status == 503
         err = orjson.loads(out.body)["error"]
         assert err["type"] == "service_unavailable"
-        assert err["message"].count("/") >= posts  # every attempt's error is listed ("pool/endpoint: ...")
+        # Every attempt is listed by its pool and kind of failure ("pool: ...; ..."), never by endpoint or URL
+        # (those are in the log line), and the message ends with the request id.
+        listing = err["message"].split(": ", 1)[1].removesuffix(" (request id req-1)")
+        assert len(listing.split("; ")) >= posts, err
+        assert err["message"].endswith("(request id req-1)")
+        assert not re.search(r"\b[abc][01]\b|http://", err["message"]), err
         assert out.headers["retry-after"]
 
     # Bookkeeping back at zero: endpoint in-flight counts, the budget, every upstream response closed.

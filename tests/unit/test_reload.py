@@ -332,7 +332,7 @@ async def test_the_watcher_task_reloads_the_runtime(rt: Runtime) -> None:
 def _admin(rt: Runtime, token: str | None = TOKEN) -> httpx.AsyncClient:
     app = create_admin_app(rt, token)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin", headers=headers)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", headers=headers)
 
 
 async def test_admin_config_shows_the_yaml_in_force(rt: Runtime) -> None:
