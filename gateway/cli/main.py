@@ -130,6 +130,15 @@ def serve(
             help="Accept --workers N without Redis: each worker keeps its own idempotency records and overrides.",
         ),
     ] = False,
+    tracing: Annotated[
+        bool,
+        typer.Option(
+            "--tracing",
+            envvar="SPECGATE_TRACING",
+            help="OpenTelemetry traces of the proxied requests (needs specgate[tracing]), exported as the OTEL_* "
+            "variables say: OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER(_ARG), OTEL_SERVICE_NAME.",
+        ),
+    ] = False,
 ) -> None:
     """Start the gateway."""
     try:
@@ -155,6 +164,7 @@ def serve(
             redis_url=redis_url or None,
             cluster=cluster,
             per_worker_state=per_worker_state,
+            tracing=tracing,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
