@@ -93,8 +93,8 @@ class KeepFailed(Sampler):
         trace_state: Any = None,
     ) -> SamplingResult:
         result = self.head.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
-        if result.decision is Decision.DROP:
-            return SamplingResult(Decision.RECORD_ONLY, result.attributes, result.trace_state)
+        if result.decision is Decision.DROP:  # a dropped span's result has no attributes: the span's own ones
+            return SamplingResult(Decision.RECORD_ONLY, attributes, result.trace_state)
         return result
 
     def get_description(self) -> str:

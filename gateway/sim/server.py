@@ -215,6 +215,13 @@ def sim_command(
     enable_request_id_headers: Annotated[
         bool, typer.Option("--enable-request-id-headers", help="Echo X-Request-Id on responses.")
     ] = False,
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Export an OpenTelemetry `llm_request` span per request over OTLP gRPC, as vLLM does "
+            "(needs specgate[tracing]), e.g. http://collector:4317.",
+        ),
+    ] = None,
     enable_responses_store: Annotated[
         bool,
         typer.Option(
@@ -394,6 +401,7 @@ def sim_command(
             seed=seed,
             enable_request_id_headers=enable_request_id_headers,
             enable_responses_store=enable_responses_store,
+            otlp_traces_endpoint=otlp_traces_endpoint,
             preset=preset,
             time_scale=time_scale,
             acceptance=acceptance_model(
