@@ -67,7 +67,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
         self.spans: list[SpanRow] = []
         self.lock = threading.Lock()
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the gRPC method's name)
+    def Export(self, request: Any, context: Any) -> Any:
         rows = []
         for rs in request.resource_spans:
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
@@ -192,7 +192,8 @@ def test_streamed_request_is_one_trace_into_the_simulator(
 
     spans = rx.wait_for(CLIENT_TRACE, lambda s: any(x.name == "llm_request" for x in s) and len(s) >= 5)
     server = one(spans, "POST /v1/chat/completions")
-    assert server.parent_id == CLIENT_SPAN and server.kind == 2  # 2: SERVER
+    assert server.parent_id == CLIENT_SPAN
+    assert server.kind == 2
     assert server.service == "specgate"
     a = server.attrs
     assert a["gen_ai.operation.name"] == "chat"
@@ -208,7 +209,8 @@ def test_streamed_request_is_one_trace_into_the_simulator(
     assert a["specgate.fallback"] is False
     assert a["specgate.committed"] is True
     assert a["specgate.commit_s"] > 0
-    assert 0.0 <= a["specgate.acceptance"] <= 1.0 and a["specgate.spec.drafted"] > 0
+    assert 0.0 <= a["specgate.acceptance"] <= 1.0
+    assert a["specgate.spec.drafted"] > 0
     assert a["http.response.status_code"] == 200
 
     route = one(spans, "specgate.route")
@@ -247,7 +249,8 @@ def test_streamed_request_is_one_trace_into_the_simulator(
 
     exported = b"".join(rx.raw)
     assert PROMPT_MARK.encode() not in exported
-    assert text.encode() not in exported and text[:40].encode() not in exported
+    assert text.encode() not in exported
+    assert text[:40].encode() not in exported
 
 
 def test_fallback_shows_two_attempts(
@@ -257,7 +260,7 @@ def test_fallback_shows_two_attempts(
     spec, std = sims
     spec.update_faults(Faults(error_rate=1.0, error_status=500).to_json())
     gw = gateway(rules_for([spec.url], [std.url]), tracing=True)
-    headers, text, _ = stream(gw)
+    headers, _text, _ = stream(gw)
     trace_id = headers["x-specgate-trace-id"]
     assert headers["x-specgate-pool"] == "std"
 
