@@ -249,6 +249,14 @@ def bench_overhead_cmd(
     tool: Annotated[
         str, typer.Option(help="Load tool: wrk, builtin (a Python closed loop), or auto (wrk when installed).")
     ] = "auto",
+    tracing: Annotated[
+        bool,
+        typer.Option(
+            "--tracing",
+            help="Also measure specgate with OpenTelemetry on (100% and 10% head sample) exporting to a local OTLP "
+            "sink (needs specgate[tracing]).",
+        ),
+    ] = False,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
     from gateway.bench.overhead import bench_overhead, load_tool, render
@@ -262,7 +270,7 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)
