@@ -261,7 +261,7 @@ def bench_overhead(
                 for name, ratio in TRACED.items():
                     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
                     env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
-                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
+                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing", "--admin-port", "0"]  # 8081: the first
                     stack.enter_context(_process(cmd, ports[name], env))
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             for mode in ("json", "stream"):
