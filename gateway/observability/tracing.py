@@ -295,7 +295,7 @@ class RequestTrace:
         idempotency: str | None,
     ) -> None:
         """End the request's spans (once, from ``RequestRecord.finish``)."""
-        self.admitted(refused=outcome if attempts == 0 else None)
+        self.admitted(refused=outcome if attempts == 0 and outcome != "ok" else None)  # ok: an idempotent replay
         span = self.span
         fallback = attempts > 1 or (attempts == 1 and self._planned is not None and pool != self._planned)
         attrs: dict[str, Any] = {
