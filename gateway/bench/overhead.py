@@ -252,8 +252,8 @@ def bench_overhead(
             stack.enter_context(_process([py, "-m", "gateway.bench.static_upstream", "--port", str(up_port)], up_port))
             for name, cmd in commands.items():
                 stack.enter_context(_process([*cmd, "--port", str(ports[name]), "--upstream", up_url], ports[name]))
-            gw_cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1",
-                      "--port", str(ports["specgate"])]  # fmt: skip
+            gw_cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1", "--admin-port", "0",
+                      "--port", str(ports["specgate"])]  # fmt: skip (no admin listener: 8081 may be taken)
             stack.enter_context(_process(gw_cmd, ports["specgate"]))
             if tracing:
                 sink = free_port()
@@ -261,7 +261,7 @@ def bench_overhead(
                 for name, ratio in TRACED.items():
                     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
                     env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
-                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing", "--admin-port", "0"]  # 8081: the first
+                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
                     stack.enter_context(_process(cmd, ports[name], env))
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             for mode in ("json", "stream"):
