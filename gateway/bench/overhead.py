@@ -252,8 +252,20 @@ def bench_overhead(
             stack.enter_context(_process([py, "-m", "gateway.bench.static_upstream", "--port", str(up_port)], up_port))
             for name, cmd in commands.items():
                 stack.enter_context(_process([*cmd, "--port", str(ports[name]), "--upstream", up_url], ports[name]))
-            gw_cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1", "--admin-port", "0",
-                      "--port", str(ports["specgate"])]  # fmt: skip (no admin listener: 8081 may be taken)
+            gw_cmd = [
+                py,
+                "-m",
+                "gateway",
+                "serve",
+                "--rules",
+                str(rules),
+                "--host",
+                "127.0.0.1",
+                "--admin-port",
+                "0",
+                "--port",
+                str(ports["specgate"]),
+            ]  # fmt: skip (no admin listener: 8081 may be taken)
             stack.enter_context(_process(gw_cmd, ports["specgate"]))
             if tracing:
                 sink = free_port()
