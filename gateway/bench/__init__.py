@@ -3,7 +3,7 @@
 - ``gateway.bench.classify``: the CPU cost of classifying one request (with and without parsing its JSON body);
   pure, no I/O beyond reading the routing YAML.
 - ``gateway.bench.overhead`` / ``gateway.bench.static_upstream``: the latency the whole gateway adds per request,
-  against a static upstream.
+  against a static upstream; ``gateway.bench.otlp_sink``: the OTLP receiver of its ``--tracing`` measurement.
 - ``gateway.bench.controller`` / ``gateway.bench.controller_report``: the route-state controllers and admission
   control under a load step, against simulated pools, and its report.
 - ``gateway.bench.soak`` / ``gateway.bench.soak_checks``: many concurrent streams for a long time with faults on a

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -50,6 +51,10 @@ class WrkResult:
 
 
 TARGETS = ("direct", "minimal-httpx", "minimal-aiohttp", "specgate")
+# With --tracing: specgate again with OpenTelemetry on, at a head sample of 100% and 10%, exporting to a local OTLP
+# sink (gateway.bench.otlp_sink) on the same machine.
+TRACED = {"specgate-trace100": "1.0", "specgate-trace10": "0.1"}
+TARGET_TRACED_RATIO = {"specgate-trace100": 0.85, "specgate-trace10": 0.95}  # req/s vs specgate, 32 connections
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +127,8 @@ def run_wrk(url: str, script: Path, connections: int, duration_s: int) -> WrkRes
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _process(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         wait_for_port(port)
         yield proc
@@ -213,10 +218,12 @@ def measure_ttft(port: int, body: bytes, duration_s: float) -> tuple[float, floa
 
 
 def bench_overhead(
-    connections: list[int], duration_s: int, *, prompt_chars: int = 2000, tool: str = "wrk"
+    connections: list[int], duration_s: int, *, prompt_chars: int = 2000, tool: str = "wrk", tracing: bool = False
 ) -> tuple[list[OverheadRow], StreamCost]:
-    """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``)."""
+    """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``);
+    ``tracing``: the ``TRACED`` targets too."""
     rows: list[OverheadRow] = []
+    targets = (*TARGETS, *TRACED) if tracing else TARGETS
     with tempfile.TemporaryDirectory(prefix="specgate-bench-") as tmp:
         d = Path(tmp)
         text = ("lorem ipsum dolor sit amet " * (prompt_chars // 27 + 1))[:prompt_chars]
@@ -235,7 +242,7 @@ def bench_overhead(
         up_url = f"http://127.0.0.1:{up_port}"
         rules = d / "rules.yaml"
         rules.write_text(yaml.safe_dump(_rules(up_url), sort_keys=False))
-        ports = {t: free_port() for t in TARGETS if t != "direct"}
+        ports = {t: free_port() for t in targets if t != "direct"}
         py = sys.executable
         commands = {
             "minimal-httpx": [py, "-m", "gateway.bench.minimal_proxy", "--client", "httpx"],
@@ -245,14 +252,34 @@ def bench_overhead(
             stack.enter_context(_process([py, "-m", "gateway.bench.static_upstream", "--port", str(up_port)], up_port))
             for name, cmd in commands.items():
                 stack.enter_context(_process([*cmd, "--port", str(ports[name]), "--upstream", up_url], ports[name]))
-            gw_cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1",
-                      "--port", str(ports["specgate"])]  # fmt: skip
+            gw_cmd = [
+                py,
+                "-m",
+                "gateway",
+                "serve",
+                "--rules",
+                str(rules),
+                "--host",
+                "127.0.0.1",
+                "--admin-port",
+                "0",
+                "--port",
+                str(ports["specgate"]),
+            ]  # fmt: skip (no admin listener: 8081 may be taken)
             stack.enter_context(_process(gw_cmd, ports["specgate"]))
+            if tracing:
+                sink = free_port()
+                stack.enter_context(_process([py, "-m", "gateway.bench.otlp_sink", "--port", str(sink)], sink))
+                for name, ratio in TRACED.items():
+                    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
+                    env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
+                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
+                    stack.enter_context(_process(cmd, ports[name], env))
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             for mode in ("json", "stream"):
                 for c in connections:
                     results: dict[str, WrkResult] = {}
-                    for target in TARGETS:
+                    for target in targets:
                         url = urls[target] + "/v1/chat/completions"
                         run_tool(tool, url, scripts[mode], c, 1)  # warm connection pools and caches
                         results[target] = run_tool(tool, url, scripts[mode], c, duration_s)
@@ -286,7 +313,7 @@ def render(rows: list[OverheadRow], streams: StreamCost | None = None) -> str:
     for r in rows:
         base_rps = r.results["direct"].rps
         minimal_rps = r.results["minimal-aiohttp"].rps
-        for target in TARGETS:
+        for target in (t for t in (*TARGETS, *TRACED) if t in r.results):
             w = r.results[target]
             vs_direct = f"{w.rps / base_rps:.2f}" if base_rps else "-"
             vs_min = f"{w.rps / minimal_rps:.2f}" if minimal_rps and target != "direct" else ""
@@ -337,6 +364,11 @@ def _targets(rows: list[OverheadRow], streams: StreamCost | None) -> list[str]:
             v, m = r.results["specgate"].rps, r.results["minimal-aiohttp"].rps
             out.append(f"  non-streaming req/s, 32 connections: {v:.0f} [{m:.0f}] (target >= {TARGET_RPS_32}): "
                        f"{verdict(v >= TARGET_RPS_32)}")  # fmt: skip
+            for name, least in TARGET_TRACED_RATIO.items():
+                if name in r.results and v:
+                    ratio = r.results[name].rps / v
+                    out.append(f"  tracing on ({name}), req/s vs specgate at 32 connections: {ratio:.2f} "
+                               f"(target >= {least}): {verdict(ratio >= least)}")  # fmt: skip
     if streams is not None:
         v, m = streams.added_ttft_ms("specgate"), streams.added_ttft_ms("minimal-aiohttp")
         out.append(f"  added TTFT p50: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_TTFT_MS} ms): "

@@ -151,6 +151,15 @@ def serve(
             help="Accept --workers N without Redis: each worker keeps its own idempotency records and overrides.",
         ),
     ] = False,
+    tracing: Annotated[
+        bool,
+        typer.Option(
+            "--tracing",
+            envvar="SPECGATE_TRACING",
+            help="OpenTelemetry traces of the proxied requests (needs specgate[tracing]), exported as the OTEL_* "
+            "variables say: OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER(_ARG), OTEL_SERVICE_NAME.",
+        ),
+    ] = False,
 ) -> None:
     """Start the gateway."""
     try:
@@ -177,6 +186,7 @@ def serve(
             redis_url=redis_url or None,
             cluster=cluster,
             per_worker_state=per_worker_state,
+            tracing=tracing,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
@@ -261,6 +271,14 @@ def bench_overhead_cmd(
     tool: Annotated[
         str, typer.Option(help="Load tool: wrk, builtin (a Python closed loop), or auto (wrk when installed).")
     ] = "auto",
+    tracing: Annotated[
+        bool,
+        typer.Option(
+            "--tracing",
+            help="Also measure specgate with OpenTelemetry on (100% and 10% head sample) exporting to a local OTLP "
+            "sink (needs specgate[tracing]).",
+        ),
+    ] = False,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
     from gateway.bench.overhead import bench_overhead, load_tool, render
@@ -274,7 +292,7 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)

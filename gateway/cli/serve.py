@@ -206,6 +206,7 @@ def run_server(settings: Settings) -> None:
 
     from gateway.config.loader import RulesError
     from gateway.observability.logs import configure_logging
+    from gateway.observability.tracing import TracingUnavailable
     from gateway.proxy.app import create_app, tune_gc
 
     configure_logging(settings.log_level)
@@ -218,7 +219,7 @@ def run_server(settings: Settings) -> None:
         application = create_app(settings)  # validates the YAML and the key file before listening
     except RulesError as exc:
         raise _fail(f"invalid routing rules:\n{exc}") from exc
-    except (SettingsError, OSError) as exc:
+    except (SettingsError, OSError, ValueError, TracingUnavailable) as exc:  # ValueError: an OTEL_* variable
         raise _fail(str(exc)) from exc
     tune_gc()
     common = {

@@ -85,6 +85,9 @@ class Settings:
     # --workers N without redis_url: each worker would keep its own Idempotency-Key records (the same key could run
     # once per worker) and its own overrides. Refused at start-up unless this accepts it explicitly.
     per_worker_state: bool = False
+    # OpenTelemetry traces of the proxied requests (the ``tracing`` extra), exported as the standard OTEL_*
+    # variables say (gateway/observability/tracing.py). Off: OpenTelemetry is never imported.
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -134,7 +137,7 @@ class Settings:
                     if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                         raise ValueError("expected true or false")
                     kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
-                elif f.name == "per_worker_state":
+                elif f.name in ("per_worker_state", "tracing"):
                     kw[f.name] = _flag(raw)
                 elif f.name == "api_keys_file":
                     kw[f.name] = Path(raw)

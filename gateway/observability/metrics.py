@@ -45,6 +45,8 @@ Outcome = Literal[
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+OPENMETRICS = "application/openmetrics-text"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
 class LatencyWindow:
@@ -375,8 +377,17 @@ class GatewayMetrics:
         child.inc()
 
     def observe_request(
-        self, cls: str, pool: str, outcome: Outcome, e2e_s: float, ttft_s: float | None, overhead_s: float | None
+        self,
+        cls: str,
+        pool: str,
+        outcome: Outcome,
+        e2e_s: float,
+        ttft_s: float | None,
+        overhead_s: float | None,
+        trace_id: str | None = None,
     ) -> None:
+        """One finished request. ``trace_id`` (tracing on): an exemplar on its latency observations, shown by the
+        OpenMetrics exposition (``render(openmetrics=True)``)."""
         key = (cls, pool, outcome)
         children = self._children.get(key)
         if children is None:
@@ -389,14 +400,15 @@ class GatewayMetrics:
             self._children[key] = children
         count, e2e, ttft, overhead = children
         count.inc()
-        e2e.observe(e2e_s)
+        exemplar = None if trace_id is None or self.shared_dir is not None else {"trace_id": trace_id}
+        e2e.observe(e2e_s, exemplar)
         if outcome == "ok":
             window = self.latency_windows.get((cls, pool))
             if window is None:
                 window = self.latency_windows[(cls, pool)] = LatencyWindow()
             window.add(time.monotonic(), e2e_s)
         if ttft_s is not None:
-            ttft.observe(ttft_s)
+            ttft.observe(ttft_s, exemplar)
         if overhead_s is not None:
             overhead.observe(overhead_s)
 
@@ -419,8 +431,15 @@ class GatewayMetrics:
         if rate is not None:
             self.class_acceptance_requests.labels(cls, band).observe(rate)
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
+        """The exposition; ``openmetrics``: the OpenMetrics format, which carries the latency exemplars (one
+        process only: prometheus_client keeps no exemplars across workers)."""
         if self.shared_dir is None:
+            if openmetrics:
+                from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+                body: bytes = generate_openmetrics(self.registry)  # type: ignore[no-untyped-call]
+                return body
             return generate_latest(self.registry)
         forget_dead_processes(self.shared_dir)
         merged = CollectorRegistry(auto_describe=False)

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.config.settings import Settings
-from gateway.observability.metrics import CONTENT_TYPE, multiprocess_dir
+from gateway.observability.metrics import CONTENT_TYPE, OPENMETRICS, OPENMETRICS_CONTENT_TYPE, multiprocess_dir
 from gateway.proxy.http import error_response, exception_handlers, is_bug, json_response
 from gateway.proxy.intake import ProxyRoute, admit
 from gateway.proxy.responses import cancel_response, delete_response, retrieve_response
@@ -174,6 +174,9 @@ async def metrics(request: Request) -> Response:
     rt = _runtime(request)
     rt.authenticate_metrics(request.headers.get("authorization"))  # names and traffic: not for strangers
     m = rt.metrics
+    # With tracing on, a scraper that accepts OpenMetrics gets it: the latency histograms' trace-id exemplars.
+    if rt.tracing is not None and m.shared_dir is None and OPENMETRICS in request.headers.get("accept", ""):
+        return Response(m.render(openmetrics=True), 200, media_type=OPENMETRICS_CONTENT_TYPE)
     if m.shared_dir is None:
         body = m.render()
     else:  # merging N workers' files costs about N renders: off the event loop, which keeps proxying

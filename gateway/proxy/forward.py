@@ -277,6 +277,11 @@ class ProxyExchange:
             headers = upstream_request_headers(
                 job.client_headers, request_id=rec.request_id, api_key=client.api_key, client_addr=job.client_addr
             )
+            span = None
+            if rec.trace is not None:  # tracing on: the attempt's CLIENT span, and its traceparent to the pool
+                span = rec.trace.send_attempt(
+                    headers, full, pool.name, pool.spec.kind, ep.id, ep.url, job.plan.model_for(pool.name)
+                )
             started = time.perf_counter()
             if rec.upstream_start is None:
                 rec.upstream_start = started
@@ -290,6 +295,9 @@ class ProxyExchange:
             except UpstreamError as exc:
                 result = policy.classify(pool, ep, exc)
                 status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
+                if span is not None and rec.trace is not None:
+                    rec.trace.attempt_failed(span, status, result)
+                    span = None
                 rec.attempt(pool.name, ep.id, started, status, exc.message)
                 metrics.attempt_done(pool.name, result)
                 # Kept without its traceback: that holds this frame, which holds the failure (a cycle per request)
@@ -303,7 +311,12 @@ class ProxyExchange:
                 if opened is None:
                     ep.in_flight -= 1
                     metrics.pool_in_flight(pool.name).dec()
+                    if span is not None and rec.trace is not None:  # cancelled (the client left), or a bug
+                        rec.trace.attempt_failed(span, None, "cancelled")
             status = opened.response.status
+            if span is not None and rec.trace is not None:
+                first = rec.upstream_first
+                rec.trace.attempt_answered(span, status, None if first is None else first - started)
             rec.attempt(pool.name, ep.id, started, status, None)
             metrics.attempt_done(pool.name, status_result(status))
             policy.answered(ep, status, self.pools.values())
@@ -443,6 +456,8 @@ class ProxyExchange:
             rec.cached_tokens = cached_tokens_of(body)
             if opened.pool.spec.kind == "speculative":
                 rec.spec = sample_from_body(body)
+        if rec.trace is not None:
+            rec.trace.observe(body)
 
     async def _relay_stream(self, send: Send, opened: Opened) -> None:
         resp, rec = opened.response, self.job.record
@@ -498,6 +513,10 @@ class ProxyExchange:
                 events = events[: i + 1]
                 done = True
                 break
+        trace = self.job.record.trace
+        if trace is not None:  # before the tap strips a usage chunk the client did not ask for
+            for event in events:
+                trace.observe(event)
         if self._tap is not None:
             events = self._tap.feed(events)
         if events:

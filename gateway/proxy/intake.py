@@ -8,8 +8,10 @@ It works on the raw ASGI scope and receive: no Starlette request, router or midd
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -19,6 +21,7 @@ from gateway.errors import BadRequest, GatewayError
 from gateway.fleet.pools import PoolState
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import Outcome
+from gateway.observability.tracing import TRACE_ID_HEADER, RequestTrace
 from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
@@ -39,7 +42,8 @@ from gateway.proxy.owned_ids import with_response_id, without_request_id
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER, Endpoint
-from gateway.routing.decision import decide
+from gateway.routing.decision import Decision, decide
+from gateway.routing.plan import Plan
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 
@@ -54,7 +58,9 @@ class ProxyRoute:
 
 
 # The request headers ``admit`` reads, found in one pass over the raw list (first value; every Idempotency-Key).
-_WANTED = frozenset({"x-request-id", "authorization", "content-length", TASK_HEADER, KEY_HEADER})
+_WANTED = frozenset(
+    {"x-request-id", "authorization", "content-length", TASK_HEADER, KEY_HEADER, "traceparent", "tracestate"}
+)
 
 
 def _headers(scope: Scope) -> tuple[list[tuple[str, str]], dict[str, str], list[str]]:
@@ -108,6 +114,12 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
     client_headers, hdr, keys = _headers(scope)
     rec = RequestRecord(request_id(hdr.get("x-request-id")), path)
     extra = [("x-request-id", rec.request_id)]
+    trace = None
+    if rt.tracing is not None:  # tracing on (gateway.observability.tracing): the request's server span
+        rec.trace = trace = rt.tracing.start(
+            "POST", path, rec.request_id, hdr.get("traceparent"), hdr.get("tracestate")
+        )
+        extra.append((TRACE_ID_HEADER, trace.trace_id))
     claim: KeyClaim | None = None
     try:
         rt.authenticate(hdr.get("authorization"))
@@ -116,6 +128,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         body = parse_object(raw)
         check_json_depth(raw, body, rt.settings.max_json_depth)
         live = rt.live
+        decided_ns = time.time_ns() if trace is not None else 0
         d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng)
         rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
         if d.features is not None:
@@ -130,6 +143,8 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
             plan, max_attempts = sticky.plan or plan, 1 if sticky.pinned else max_attempts
         rec.route_reason = plan.reason
         extra.append(("x-specgate-route", plan.reason))
+        if trace is not None:
+            trace_decision(rt, trace, d, plan, body, decided_ns)
         if d.klass is not None and d.klass.require_idempotency_key and idempotency_key is None:
             raise BadRequest(
                 f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
@@ -199,6 +214,23 @@ def _affinity_on(pools: Mapping[str, PoolState], planned: tuple[str, ...]) -> bo
         if pool is not None and pool.affinity.enabled and len(pool.endpoints) > 1:
             return True
     return False
+
+
+def trace_decision(
+    rt: Runtime, trace: RequestTrace, d: Decision, plan: Plan, body: Mapping[str, Any], start_ns: int
+) -> None:
+    """The request's sampling parameters and the routing decision, on its trace (tracing on only)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
+    trace.request(body.get("model"), body.get("temperature"), max_tokens, d.stream)
+    trace.route(
+        start_ns,
+        traffic_class=d.traffic_class,
+        task_type=None if d.features is None else d.features.task_type,
+        plan=plan.pools,
+        reason=plan.reason,
+        choice=d.choice,
+        expected=rt.routing.expected_s(d.traffic_class) if d.choice is not None else (),
+    )
 
 
 def _client_addr(scope: Scope) -> str | None:

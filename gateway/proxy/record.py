@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gateway.observability.acceptance import SpecSample
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics, Outcome
+from gateway.observability.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class RequestRecord:
     spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
     idempotency: str | None = None  # gateway.proxy.idempotency.Result, for requests with an Idempotency-Key
     cached_tokens: int | None = None  # prompt tokens the pool found in its prefix cache, when its usage said so
+    trace: RequestTrace | None = None  # the request's spans when tracing is on (gateway.observability.tracing)
     _finished: bool = False
 
     def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
@@ -86,8 +88,23 @@ class RequestRecord:
         cls, pool = self.traffic_class, self.pool
         ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
         overhead = self.overhead_s(end)
-        metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
         spec = self.spec
+        trace = self.trace
+        if trace is not None:
+            trace.finish(
+                status=self.status,
+                outcome=outcome,
+                pool=pool,
+                endpoint=self.endpoint,
+                attempts=len(self.attempts),
+                commit_s=None if self.first_sent is None else self.first_sent - self.arrived,
+                accepted=None if spec is None else spec.accepted,
+                drafted=None if spec is None else spec.drafted,
+                idempotency=self.idempotency,
+            )
+            metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead, trace.trace_id)
+        else:
+            metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
         if spec is not None:
             metrics.observe_acceptance(cls, self.temperature_band, spec)
         if access_log.enabled:
@@ -116,4 +133,6 @@ class RequestRecord:
                 line["error"] = self.error
             if self.idempotency is not None:
                 line["idempotency"] = self.idempotency
+            if trace is not None:
+                line["trace_id"] = trace.trace_id
             access_log.write(line)

@@ -481,6 +481,11 @@ class RoutingState:
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
 
+    def expected_s(self, name: str) -> tuple[tuple[str, float], ...]:
+        """(pool, expected completion seconds) of class ``name``'s candidates in the last scrape round (traces)."""
+        c = self._classes.get(name)
+        return () if c is None else tuple((e.pool, e.expected_s) for e in c.estimates if e is not None)
+
     def snapshot(self, now: float | None = None) -> dict[str, dict[str, Any]]:
         """Every controlled class's controller state, candidate pools, prior and the last round's expected
         completion times per pool (with their inputs), for /admin/state and explain."""

@@ -27,6 +27,7 @@ from gateway.fleet.scraper import Scraper
 from gateway.fleet.vllm_metrics import PoolLoad
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import Tracing
 from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.overrides.manager import Override, OverrideManager
 from gateway.overrides.store import build_override_store
@@ -61,6 +62,8 @@ class Runtime:
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
+        # OpenTelemetry (--tracing): None when off, and then no request does any tracing work.
+        self.tracing: Tracing | None = Tracing() if settings.tracing else None
         self.started_at = int(time.time())
         # Keyed generations left running after their client went away (gateway.runtime.detached).
         self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
@@ -368,3 +371,5 @@ class Runtime:
         await self.overrides.close()
         for client in self.live.clients.values():
             await client.close()
+        if self.tracing is not None:  # the spans still buffered go out (bounded by the exporter's timeout)
+            await asyncio.to_thread(self.tracing.shutdown)

@@ -40,6 +40,7 @@ from gateway.sim.call import GenerationCall, error_response, json_response
 from gateway.sim.faults import MALFORMED_METRICS, Faults, RequestFaults
 from gateway.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.sim.state import TASK_HEADER, SimOptions, SimState, sim_state
+from gateway.sim.tracing import TRACE_HEADERS
 
 __all__ = ["SimOptions", "SimState", "create_sim_app", "sim_state"]
 
@@ -128,7 +129,11 @@ def create_sim_app(options: SimOptions) -> Starlette:
             return faults
         task = (request.headers.get(TASK_HEADER) or "").strip().lower() or wire.guess_task(body)
         request_id = request.headers.get("x-request-id") or body.get("request_id") or uuid.uuid4().hex
-        return GenerationCall(state, req, str(request_id), task, faults)
+        call = GenerationCall(state, req, str(request_id), task, faults)
+        if state.tracer is not None:  # vLLM's llm_request span, under the caller's traceparent (sim.tracing)
+            call.trace_headers = {k: v for k in TRACE_HEADERS if (v := request.headers.get(k))}
+            call.top_p = body.get("top_p") if isinstance(body.get("top_p"), int | float) else None
+        return call
 
     async def responses_create(request: Request) -> Response:
         state.counts["requests"] += 1
@@ -281,6 +286,8 @@ def create_sim_app(options: SimOptions) -> Starlette:
             await state.engine.stop()
             if state.kv_events is not None:
                 state.kv_events.close()
+            if state.tracer is not None:
+                await asyncio.to_thread(state.tracer.shutdown)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -92,6 +92,9 @@ class GenerationCall(Response):
         self._transport: Any = None
         self._response_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{request_id}"
         self._created = int(time.time())
+        self.trace_headers: dict[str, str] | None = None  # set when the server exports traces (sim.tracing)
+        self.top_p: float | None = None
+        self._arrival_ns = time.time_ns()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._transport = scope.get(wire.TRANSPORT_KEY)
@@ -116,6 +119,16 @@ class GenerationCall(Response):
                 if g.finished_reason is None:
                     g.abort()
             self._settle("cut" if self._cut else "aborted")
+            tracer = self._state.tracer
+            if tracer is not None and self.trace_headers is not None:
+                tracer.request_span(
+                    self.trace_headers,
+                    request_id=self._rid,
+                    req=self._req,
+                    gens=self._gens,
+                    arrival_ns=self._arrival_ns,
+                    top_p=self.top_p,
+                )
 
     def _settle(self, outcome: Outcome) -> None:
         if self._outcome is None:

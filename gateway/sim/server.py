@@ -234,6 +234,13 @@ def sim_command(
         bool,
         typer.Option("--enable-prompt-tokens-details", help="usage.prompt_tokens_details.cached_tokens in responses."),
     ] = False,
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Export an OpenTelemetry `llm_request` span per request over OTLP gRPC, as vLLM does "
+            "(needs specgate[tracing]), e.g. http://collector:4317.",
+        ),
+    ] = None,
     enable_responses_store: Annotated[
         bool,
         typer.Option(
@@ -417,6 +424,7 @@ def sim_command(
             block_size=block_size,
             kv_events_config=kv_events_config,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
+            otlp_traces_endpoint=otlp_traces_endpoint,
             preset=preset,
             time_scale=time_scale,
             acceptance=acceptance_model(

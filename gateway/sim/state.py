@@ -22,6 +22,7 @@ from gateway.sim.metrics import VllmMetrics, cache_config_labels
 from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCost
 from gateway.sim.presets import get_preset, speculative_kv_fraction
 from gateway.sim.tokens import answer_ids
+from gateway.sim.tracing import SimTracer
 
 TASK_HEADER = "x-sim-task"
 _MAX_TRACKED_IDS = 100_000
@@ -49,6 +50,7 @@ class SimOptions:
     api_keys: tuple[str, ...] = ()
     seed: int = 0
     enable_request_id_headers: bool = False
+    otlp_traces_endpoint: str | None = None  # vLLM's --otlp-traces-endpoint: an `llm_request` span per request
     preset: str = "llama70b-4xh100"
     time_scale: float = 1.0
     target: TargetCost | None = None  # the target's step cost (default: the preset's)
@@ -122,6 +124,10 @@ class SimState:
         self.fingerprint = wire.system_fingerprint(options.model, options.speculative_config)
         self.created = int(time.time())
         self.alive = False
+        # OpenTelemetry (--otlp-traces-endpoint), imported only when asked for (gateway.sim.tracing).
+        self.tracer: SimTracer | None = None
+        if options.otlp_traces_endpoint:
+            self.tracer = SimTracer(options.otlp_traces_endpoint)
         self.generations: OrderedDict[str, int] = OrderedDict()
         self.counts: dict[str, int] = dict.fromkeys(
             ("requests", "generated", "completed", "aborted", "cut", "rejected", "error"), 0
