@@ -316,7 +316,9 @@ async def delete_response(request: Request) -> Response:
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+        return Response(
+            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
+        )
     rec.status = 200
     rec.finish("ok", rt.metrics, rt.access_log)
     body = orjson.dumps({"id": rid, "object": "response.deleted", "deleted": True})
@@ -329,7 +331,9 @@ async def forget(store: Store, scope: bytes, response_id: str) -> None:
         dropped = valid_response_id(response_id) and await store.forget(record_key(scope, response_id))
     except StoreUnavailable as exc:
         raise ResponseStoreUnavailable(
-            f"response '{response_id}' cannot be deleted now: the store is unavailable ({exc})", param="response_id"
+            f"response '{response_id}' cannot be deleted now: the store is unavailable ({exc})",
+            param="response_id",
+            public=f"response '{response_id}' cannot be deleted now: the store is unavailable",
         ) from exc
     if not dropped:
         raise _not_found(response_id, "response_id")

@@ -90,9 +90,12 @@ def not_found(r: httpx.Response) -> dict[str, Any]:
 def same_as_unknown(r: httpx.Response, rid: str, unknown: httpx.Response, unknown_id: str) -> None:
     """Another tenant's id is answered exactly as an id nobody ever made: its existence is not revealed."""
     got, ref = not_found(r), not_found(unknown)
-    assert {**got, "message": got["message"].replace(rid, "ID")} == {
+    # Each message ends with its own request's id; everything before it must be the same.
+    assert got["message"].endswith(f"(request id {r.headers['x-request-id']})")
+    assert ref["message"].endswith(f"(request id {unknown.headers['x-request-id']})")
+    assert {**got, "message": got["message"].replace(rid, "ID").rsplit(" (request id ", 1)[0]} == {
         **ref,
-        "message": ref["message"].replace(unknown_id, "ID"),
+        "message": ref["message"].replace(unknown_id, "ID").rsplit(" (request id ", 1)[0],
     }
     assert r.headers.get("retry-after") == unknown.headers.get("retry-after")
 
