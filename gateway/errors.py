@@ -190,6 +190,13 @@ class UpstreamResponseTooLarge(UpstreamError):
         self.limit = limit  # the limit's name in specgate_limit_refusals_total
 
 
+class UpstreamInvalidResponse(UpstreamError):
+    """The pool answered something the gateway does not relay (a status outside 200–599, or 101 Switching
+    Protocols): 502, not retried (the pool is misbehaving, not busy)."""
+
+    default_code = "upstream_invalid_response"
+
+
 class UpstreamPoolFull(UpstreamError):
     """Every pooled connection to the endpoint stayed busy until the first-byte deadline: the endpoint is busy,
     not broken (back-pressure; ``gateway.routing.attempts``)."""

@@ -130,6 +130,14 @@ def serve(
             help="Accept --workers N without Redis: each worker keeps its own idempotency records and overrides.",
         ),
     ] = False,
+    trusted_proxies: Annotated[
+        str,
+        typer.Option(
+            envvar="SPECGATE_TRUSTED_PROXIES",
+            help="Load balancers in front, comma-separated addresses or CIDRs (e.g. 10.0.0.0/8): only their "
+            "X-Forwarded-For is kept and appended to; from any other peer the pools see the peer's address alone.",
+        ),
+    ] = "",
 ) -> None:
     """Start the gateway."""
     try:
@@ -155,6 +163,7 @@ def serve(
             redis_url=redis_url or None,
             cluster=cluster,
             per_worker_state=per_worker_state,
+            trusted_proxies=trusted_proxies,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc

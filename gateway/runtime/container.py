@@ -64,6 +64,7 @@ class Runtime:
         # Keyed generations left running after their client went away (gateway.runtime.detached).
         self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
+        self.trusted_proxies = settings.trusted_proxy_networks()  # whose X-Forwarded-For is kept (proxy.headers)
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         self.health = HealthChecker(
