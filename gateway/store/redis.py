@@ -17,8 +17,9 @@ restart flushed the script cache), so each is atomic and one round trip:
 - ``claim`` creates the running record unless one exists, else returns the existing record's state, fingerprint
   and response (a replay needs no second round trip), but never a response longer than the caller's cap: what
   Redis holds is not trusted to be what the gateway wrote (``gateway.proxy.idempotency`` validates the rest).
-  A record already running under the *same* token answers "claimed": the client retries a command once when the connection drops, and a claim that reached Redis before
-  the drop must not be reported back to its own owner as someone else's.
+  A record already running under the *same* token answers "claimed": the client retries a command once when the
+  connection drops, and a claim that reached Redis before the drop must not be reported back to its own owner as
+  someone else's.
 - ``extend``, ``complete``, ``release`` compare the owner token and the state before writing (compare-and-set):
   a late finisher whose lease ran out cannot touch the newer claim. ``complete`` by the owner of an already
   completed record answers true without writing (a retried call).
