@@ -50,22 +50,23 @@ DEFAULT_PREFIX = "specgate:idem:"
 
 # KEYS[1] = record; ARGV = token, fingerprint, lease_ms, max_bytes. Returns 1 (claimed) or {state, fingerprint,
 # response}, or {state, fingerprint, false, 1} when the response is longer than max_bytes (> 0): a record the
-# gateway did not write is never sent back whole. The fingerprint comes back cut to 128 bytes (ours are 64).
+# gateway did not write is never sent back whole. A fingerprint longer than 128 bytes (ours are 64) comes back as
+# '-', which matches no request. HSTRLEN first: an oversized field is never even copied.
 _CLAIM = """
-local rec = redis.call('HMGET', KEYS[1], 's', 't', 'f', 'r')
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] then
   if rec[1] == 'running' and rec[2] == ARGV[1] then
     return 1
   end
-  local fp = rec[3]
-  if fp then
-    fp = string.sub(fp, 1, 128)
+  local fp = '-'
+  if redis.call('HSTRLEN', KEYS[1], 'f') <= 128 then
+    fp = redis.call('HGET', KEYS[1], 'f')
   end
   local cap = tonumber(ARGV[4]) or 0
-  if rec[4] and cap > 0 and #rec[4] > cap then
+  if cap > 0 and redis.call('HSTRLEN', KEYS[1], 'r') > cap then
     return {rec[1], fp, false, 1}
   end
-  return {rec[1], fp, rec[4]}
+  return {rec[1], fp, redis.call('HGET', KEYS[1], 'r')}
 end
 redis.call('HSET', KEYS[1], 's', 'running', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
