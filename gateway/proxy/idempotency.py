@@ -11,6 +11,8 @@ store answers                     the request gets
                                   polls until it completes (replay), disappears (claims it) or times out (409)
 either, another fingerprint       422 ``idempotency_key_mismatch``
 ``StoreUnavailable``              503 + Retry-After (``store_unavailable: refuse``), or runs without a key
+``Completed``, invalid record     the same as ``StoreUnavailable``, counted in
+                                  ``specgate_store_rejected_records_total{kind="idempotency"}`` (``decode``)
 ================================  =============================================================================
 
 **Key syntax.** The draft makes the header a Structured Field sf-string (``Idempotency-Key: "8e03978e"``); SDKs send
