@@ -223,6 +223,14 @@ class UpstreamResponseTooLarge(UpstreamError):
         return self.public if self.public is not None else f"the pool's response went past the {self.limit} limit"
 
 
+class UpstreamInvalidResponse(UpstreamError):
+    """The pool answered something the gateway does not relay (a status outside 200–599, or 101 Switching
+    Protocols): 502, not retried (the pool is misbehaving, not busy)."""
+
+    default_code = "upstream_invalid_response"
+    kind = "the pool answered with a status or head the gateway does not relay"
+
+
 class UpstreamPoolFull(UpstreamError):
     """Every pooled connection to the endpoint stayed busy until the first-byte deadline: the endpoint is busy,
     not broken (back-pressure; ``gateway.routing.attempts``)."""

@@ -173,7 +173,8 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
         settings.setdefault("health_timeout_s", 0.5)
         config = Settings(rules=path, host="127.0.0.1", port=8080, **settings)
         app = create_app(config)
-        server = ServerThread(app, http=http_protocol(head_limits(config))).start()  # as ``specgate serve``
+        # as ``specgate serve``: the request-head limits, and the client address is the socket peer
+        server = ServerThread(app, http=http_protocol(head_limits(config)), proxy_headers=False).start()
         started.append(server)
         deadline = time.monotonic() + 5
         while app.state.runtime.health.rounds == 0 and time.monotonic() < deadline:

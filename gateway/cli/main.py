@@ -160,6 +160,14 @@ def serve(
             "variables say: OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER(_ARG), OTEL_SERVICE_NAME.",
         ),
     ] = False,
+    trusted_proxies: Annotated[
+        str,
+        typer.Option(
+            envvar="SPECGATE_TRUSTED_PROXIES",
+            help="Load balancers in front, comma-separated addresses or CIDRs (e.g. 10.0.0.0/8): only their "
+            "X-Forwarded-For is kept and appended to; from any other peer the pools see the peer's address alone.",
+        ),
+    ] = "",
 ) -> None:
     """Start the gateway."""
     try:
@@ -187,6 +195,7 @@ def serve(
             cluster=cluster,
             per_worker_state=per_worker_state,
             tracing=tracing,
+            trusted_proxies=trusted_proxies,
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc

@@ -229,6 +229,9 @@ def run_server(settings: Settings) -> None:
         "access_log": False,
         "loop": "uvloop",
         "http": http_protocol(head_limits(settings)),  # uvicorn's httptools, with the request-head limits
+        # The ASGI client address stays the socket peer: uvicorn would otherwise take it from a loopback client's
+        # X-Forwarded-For. Which peers may speak for others is --trusted-proxies (gateway.proxy.headers).
+        "proxy_headers": False,
         "timeout_graceful_shutdown": 30,
     }
     if settings.workers == 1:

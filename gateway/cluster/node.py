@@ -19,6 +19,10 @@ Each replica's saturation, admission and busy checks add the others' in-flight c
 others' ejections for their time left, and the leader's controllers add the others' class counts.
 
 Keys share one hash tag (``specgate:{fleet}:…``) so they live on one Redis Cluster slot.
+
+What is read back is checked (``on_rejected`` counts what is ignored): a snapshot larger than
+``snapshot.MAX_SNAPSHOT_BYTES`` is not read past that size, one that is not a JSON object is dropped; a
+contribution larger than ``MAX_CONTRIBUTION_BYTES`` or with counts out of range (``_contribution``) is left out.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -40,6 +45,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.cluster.lease import LeaderLease
+from gateway.cluster.snapshot import MAX_SNAPSHOT_BYTES
 from gateway.periodic import cancel_and_wait, raise_if_cancelled, run_every
 from gateway.store.redis import connection_pool
 
@@ -48,6 +54,9 @@ logger = logging.getLogger("specgate.cluster")
 Role = Literal["leader", "follower", "local"]
 ROLES: tuple[Role, ...] = ("leader", "follower", "local")
 DEFAULT_PREFIX = "specgate:{fleet}:"
+MAX_CONTRIBUTION_BYTES = 256 * 1024  # one replica's counts: a few hundred endpoints and classes
+MAX_IN_FLIGHT = 1_000_000  # a replica's in-flight requests on one endpoint, past any real pool's connection cap
+MAX_LEFT_S = 86_400.0  # a shared ejection's time left (the YAML's max_ejection_s caps it again when applied)
 
 
 def replica_id() -> str:
@@ -81,6 +90,7 @@ class ClusterNode:
         own_counts: Callable[[], Contribution],
         on_counts: Callable[[], object] = lambda: None,
         on_lead: Callable[[], object] = lambda: None,
+        on_rejected: Callable[[str], object] = lambda kind: None,
         registry: CollectorRegistry,
         prefix: str = DEFAULT_PREFIX,
         contribute_every_s: float = 0.25,
@@ -95,6 +105,7 @@ class ClusterNode:
         self._own_counts = own_counts
         self._on_counts = on_counts  # after each read of the shared counts (the runtime applies them)
         self._on_lead = on_lead  # when this replica takes the lease: scrape and publish at once
+        self._on_rejected = on_rejected  # a record read back that failed its checks: "snapshot" | "contribution"
         self._clock = clock
         self.snapshot_key = prefix + "snapshot"
         self.channel = prefix + "snapshot:published"
@@ -285,15 +296,32 @@ class ClusterNode:
         self._published_at = self._clock()
         return True
 
+    def _reject(self, kind: str, why: str) -> None:
+        self._on_rejected(kind)
+        logger.warning("ignoring a cluster %s read from redis: %s", kind, why)
+
+    async def _read_snapshot(self) -> bytes | None:
+        """The snapshot key, read to at most one byte past ``MAX_SNAPSHOT_BYTES`` (so a larger one costs no more)."""
+        raw = await self._client.getrange(self.snapshot_key, 0, MAX_SNAPSHOT_BYTES)
+        if not raw:
+            return None
+        return raw.encode() if isinstance(raw, str) else bytes(raw)
+
     def _accept(self, raw: bytes | str | None) -> None:
         if raw is None or self.lease.held:
+            return
+        if len(raw) > MAX_SNAPSHOT_BYTES:
+            self._reject("snapshot", f"larger than {MAX_SNAPSHOT_BYTES} bytes")
             return
         try:
             snap = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            logger.warning("ignoring a malformed cluster snapshot")
+            self._reject("snapshot", "not JSON")
             return
-        if not isinstance(snap, dict) or snap.get("leader") == self.replica:
+        if not isinstance(snap, dict):
+            self._reject("snapshot", "not a JSON object")
+            return
+        if snap.get("leader") == self.replica:
             return
         old = self.snapshot
         newer = old is None or snap.get("leader") != old.get("leader") or _int(snap.get("seq")) > _int(old.get("seq"))
@@ -315,7 +343,7 @@ class ClusterNode:
             pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
-                self._accept(await self._client.get(self.snapshot_key))
+                self._accept(await self._read_snapshot())
                 while True:
                     raise_if_cancelled()
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._interval_s())
@@ -324,7 +352,7 @@ class ClusterNode:
                     elif not self.lease.held:
                         age = self.snapshot_age_s()
                         if age is None or age > self._interval_s():
-                            self._accept(await self._client.get(self.snapshot_key))
+                            self._accept(await self._read_snapshot())
                     self._refresh_role()
             except (RedisError, OSError) as exc:
                 logger.debug("cluster subscription: %s; retrying", exc)
@@ -361,7 +389,11 @@ class ClusterNode:
             if name == self.replica:
                 continue
             c = _contribution(value)
-            if c is None or own.at - c.at > self.contribution_ttl_s:
+            if c is None:
+                self._reject("contribution", f"the counts of {name[:80]!r} are malformed, too large or out of range")
+                stale.append(name)
+                continue
+            if own.at - c.at > self.contribution_ttl_s:
                 stale.append(name)
                 continue
             others[name] = c
@@ -392,13 +424,23 @@ def _int(value: object) -> int:
 
 
 def _contribution(raw: bytes | str) -> Contribution | None:
+    """One replica's counts, or None when they are malformed, too large, or out of range (a count that would make
+    the fleet look saturated, a negative or endless ejection)."""
+    if len(raw) > MAX_CONTRIBUTION_BYTES:
+        return None
     try:
         d = orjson.loads(raw)
         at = float(d["at"])
         in_flight = {str(k): int(v) for k, v in d.get("in_flight", {}).items() if int(v) > 0}
         classes = {str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in d.get("classes", {}).items()}
         ejected = {str(k): float(v) for k, v in d.get("ejected", {}).items() if float(v) > 0}
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError, AttributeError):
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
+        return None
+    if not math.isfinite(at) or any(n > MAX_IN_FLIGHT for n in in_flight.values()):
+        return None
+    if any(not (math.isfinite(x) and x >= 0) for v in classes.values() for x in v):
+        return None
+    if any(not (math.isfinite(x) and x <= MAX_LEFT_S) for x in ejected.values()):
         return None
     return Contribution(at, in_flight, classes, ejected)
 

@@ -6,6 +6,12 @@ clocks differ between hosts); per pool the scraped load view; per controlled cla
 back into what a follower's structures hold (``class_controllers``: the leader's controller snapshots, shown by
 a follower's admin API). Endpoints, pools and classes a replica does not have (a rollout
 with another config) are skipped, and the ones it has that the snapshot lacks keep their own state.
+
+What Redis holds is checked, not trusted (anyone who can write to it could publish a snapshot): a snapshot larger
+than ``MAX_SNAPSHOT_BYTES`` is not read; an ejection is taken for at most the YAML's
+``outlier_detection.max_ejection_s`` (a longer one is cut and reported); at most
+``outlier_detection.max_ejection_percent`` of a pool's endpoints (at least one) are ejected at once, and never the
+last routable endpoint of a model; a scraped queue counts as fresh for at most ``max_fresh_s``.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from typing import Any
 
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.routing.attempts import would_strand
 from gateway.routing.controller import RouteState
 
 VERSION = 1
+MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024  # a snapshot read from Redis larger than this is ignored (and counted)
 _STATES: frozenset[str] = frozenset({"speculative", "split", "standard"})
 
 
@@ -72,14 +80,33 @@ def _view_dict(v: PoolLoadView) -> dict[str, Any]:
     return d
 
 
-def apply_endpoints(snapshot: Mapping[str, Any], pools: Iterable[PoolState], now: float) -> list[EndpointState]:
+def may_eject(e: EndpointState, pool: PoolState, pools: Iterable[PoolState], max_percent: float) -> bool:
+    """Whether ``e`` may be ejected on another replica's word: its pool has fewer than ``max_percent`` of its
+    endpoints (at least one) ejected, and no model would be left without a routable endpoint."""
+    allowed = max(1, math.floor(len(pool.endpoints) * max_percent / 100.0 + 1e-9))
+    if sum(1 for x in pool.endpoints if x.ejected) >= allowed:
+        return False
+    return not would_strand(e, pools)
+
+
+def apply_endpoints(
+    snapshot: Mapping[str, Any],
+    pools: Iterable[PoolState],
+    now: float,
+    *,
+    max_ejection_s: float = 300.0,
+    max_ejection_percent: float = 50.0,
+    max_fresh_s: float = 60.0,
+    suspect: list[str] | None = None,
+) -> list[EndpointState]:
     """Set health, ejection and scraped queue of the endpoints the snapshot knows; returns those whose health
     changed. An ejection this replica has and the snapshot lacks is kept until it ends (the leader ends an ejection
     only once its time is over, so the two agree within the lag), so a follower's own ejection is not lost to the
-    next snapshot."""
+    next snapshot. The bounds of the module docstring apply; what was cut is described in ``suspect``."""
     known = snapshot.get("endpoints")
     if not isinstance(known, dict):
         return []
+    pools = list(pools)
     changed: list[EndpointState] = []
     for pool in pools:
         for e in pool.endpoints:
@@ -92,16 +119,20 @@ def apply_endpoints(snapshot: Mapping[str, Any], pools: Iterable[PoolState], now
             e.healthy = healthy
             error = s.get("error")
             e.last_error = error if isinstance(error, str) else None
-            left = s.get("ejected_for_s")
-            if bool(s.get("ejected")):
-                until = now + float(left) if isinstance(left, int | float) else now
-                e.ejected_until = max(until, e.ejected_until) if e.ejected else until
-                e.ejected = True
+            if s.get("ejected") is True:
+                left = max(0.0, _num(s.get("ejected_for_s")) or 0.0)
+                if left > max_ejection_s and suspect is not None:
+                    suspect.append(f"{pool.name}/{e.id} ejected for {left:.3g}s, cut to {max_ejection_s:g}s")
+                until = now + min(left, max_ejection_s)
+                if e.ejected:
+                    e.ejected_until = max(until, e.ejected_until)
+                elif may_eject(e, pool, pools, max_ejection_percent):
+                    e.ejected, e.ejected_until = True, until
             elif not (e.ejected and now < e.ejected_until):
                 e.ejected, e.ejected_until, e.ejected_here = False, 0.0, False
             waiting, fresh = _num(s.get("waiting")), _num(s.get("queue_fresh_for_s"))
-            if waiting is not None and fresh is not None:
-                e.note_queue(waiting, now + fresh)
+            if waiting is not None and fresh is not None and waiting >= 0:
+                e.note_queue(waiting, now + min(max(fresh, 0.0), max_fresh_s))
     return changed
 
 

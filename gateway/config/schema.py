@@ -368,7 +368,19 @@ class OutlierDetection(Strict):
 
     consecutive_failures: int = Field(5, ge=1, description="Failed attempts in a row that eject the endpoint.")
     base_ejection_s: Number = Field(30.0, gt=0, description="Length of the first ejection.")
-    max_ejection_s: Number = Field(300.0, gt=0, description="Longest ejection; also the quiet time that resets k.")
+    max_ejection_s: Number = Field(
+        300.0,
+        gt=0,
+        description="Longest ejection; also the quiet time that resets k, and the longest ejection taken from "
+        "another replica (the cluster snapshot, the shared counts).",
+    )
+    max_ejection_percent: Number = Field(
+        50.0,
+        ge=0,
+        le=100,
+        description="Of each pool's endpoints, the share (at least one) that may be ejected at once on another "
+        "replica's word (the cluster snapshot, the shared counts); never the last routable endpoint of a model.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> OutlierDetection:

@@ -7,6 +7,7 @@ reads them back with ``Settings.from_env`` (uvicorn starts workers from an impor
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -88,6 +89,9 @@ class Settings:
     # OpenTelemetry traces of the proxied requests (the ``tracing`` extra), exported as the standard OTEL_*
     # variables say (gateway/observability/tracing.py). Off: OpenTelemetry is never imported.
     tracing: bool = False
+    # Load balancers in front of the gateway, as comma-separated addresses or CIDRs: only a connection from one of
+    # them has its X-Forwarded-For kept (and the peer appended); from anyone else the peer's address alone is sent.
+    trusted_proxies: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -116,6 +120,20 @@ class Settings:
             raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        self.trusted_proxy_networks()  # raises on a malformed entry
+
+    def trusted_proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """``trusted_proxies`` parsed: each entry an address (one host) or a CIDR network."""
+        out: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in self.trusted_proxies.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            try:
+                out.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError as exc:
+                raise SettingsError(f"trusted_proxies: {entry!r} is not an address or CIDR network ({exc})") from None
+        return tuple(out)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -11,7 +11,9 @@ Scope: HTTP/1.1 (and 1.0 responses), plain TCP or TLS; responses framed by Conte
 connection's close; gzip and deflate bodies decoded (the gateway asks for ``identity``), never past
 ``max_body_bytes`` of decoded output. Bounded against a misbehaving pool: a response head larger than
 ``MAX_HEAD_BYTES`` fails as soon as that many bytes arrived without its end (not when a header line completes),
-and ``read()`` (a buffered answer) fails past ``max_body_bytes``; ``ResponseTooLarge`` says which.
+a head of more than ``MAX_HEADER_FIELDS`` fields fails at the first field too many, a status the gateway cannot
+relay (``101``: never asked for; a final status outside 200–599) fails with ``InvalidResponse``, and ``read()``
+(a buffered answer) fails past ``max_body_bytes``; ``ResponseTooLarge`` says which.
 No redirects, cookies, proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps
 (``gateway.fleet.upstream``): ``ConnectFailed`` (no connection could be made; its ``PoolExhausted``: no free pooled
 one in time), ``ConnectionBroken`` (the connection broke or the response was malformed) and ``TimeoutError`` (the
@@ -35,12 +37,15 @@ from gateway.fleet.h1response import (
     ConnectFailed,
     ConnectionBroken,
     H1Response,
+    InvalidResponse,
     PoolExhausted,
     ResponseTooLarge,
 )
 
 # A response head larger than this (all header lines together) is refused: a pool has no reason to send one.
 MAX_HEAD_BYTES = 2**16
+# More header fields than this before the final response's head ends (1xx interim heads included) are refused.
+MAX_HEADER_FIELDS = 100
 
 
 def _encode_line(line: str) -> bytes:
@@ -68,6 +73,7 @@ class _Conn(asyncio.Protocol):
         self._in_head = False  # between message begin and headers complete (later header fields are trailers)
         self._interim = False  # the message being parsed is a 1xx interim response
         self._head_bytes = 0
+        self._header_fields = 0
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -140,6 +146,11 @@ class _Conn(asyncio.Protocol):
         if not self._in_head:
             return  # a chunked body's trailer field: not a header of the response
         assert self.response is not None
+        self._header_fields += 1
+        if self._header_fields > MAX_HEADER_FIELDS:
+            raise ResponseTooLarge(
+                f"the pool's response has more than {MAX_HEADER_FIELDS} header fields", "response_header_count"
+            )
         self.response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -152,6 +163,8 @@ class _Conn(asyncio.Protocol):
             self._interim = True
             r.raw_headers.clear()
             return
+        if not 200 <= status <= 599:  # 101 (the gateway never asks to switch protocols), or no HTTP status at all
+            raise InvalidResponse(f"the pool answered with status {status}, which the gateway does not relay")
         r.status = status
         headers = r.headers
         for name, value in r.raw_headers:
@@ -188,6 +201,7 @@ class _Conn(asyncio.Protocol):
         self.response = response
         self._messages = 0
         self._head_bytes = 0  # every byte before the final response's headers end (1xx interim heads included)
+        self._header_fields = 0  # the same for header fields
         self._framed = True
         self._interim = False
         self.keep_alive = False

@@ -50,9 +50,14 @@ class ConnectionBroken(ConnectionError):
     """The connection broke, or the response could not be parsed, before the response was complete."""
 
 
+class InvalidResponse(ConnectionBroken):
+    """The pool's response cannot be relayed as it is (a status outside 200–599, or 101): answered 502, not
+    retried; the connection is closed."""
+
+
 class ResponseTooLarge(ConnectionBroken):
     """The response went past one of the client's limits: the connection is closed, what was read of it dropped.
-    ``limit``: ``response_head``, ``response_bytes`` or ``decoded_bytes``."""
+    ``limit``: ``response_head``, ``response_header_count``, ``response_bytes`` or ``decoded_bytes``."""
 
     def __init__(self, message: str, limit: str) -> None:
         super().__init__(message)

@@ -20,13 +20,14 @@ from typing import Protocol
 from gateway.config.schema import Pool as PoolSpec
 from gateway.errors import (
     UpstreamConnectError,
+    UpstreamInvalidResponse,
     UpstreamPoolFull,
     UpstreamResponseTooLarge,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
 from gateway.fleet.h1client import HostPool
-from gateway.fleet.h1response import ConnectFailed, PoolExhausted, ResponseTooLarge
+from gateway.fleet.h1response import ConnectFailed, InvalidResponse, PoolExhausted, ResponseTooLarge
 from gateway.fleet.pools import EndpointState
 
 
@@ -157,6 +158,8 @@ class PoolClient:
             raise UpstreamUnreachable(f"cannot reach {ep.id}: {exc}") from exc
         except ResponseTooLarge as exc:
             raise UpstreamResponseTooLarge(f"{ep.id}: {exc}", limit=exc.limit, public=str(exc)) from exc
+        except InvalidResponse as exc:
+            raise UpstreamInvalidResponse(f"{ep.id}: {exc}") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no response from {ep.id} within the total timeout") from exc
         except OSError as exc:

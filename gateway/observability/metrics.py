@@ -193,6 +193,13 @@ class GatewayMetrics:
             ["limit"],
             registry=r,
         )
+        self.store_rejected = Counter(
+            "specgate_store_rejected_records_total",
+            "Records read back from Redis that failed validation and were ignored, by kind (idempotency, snapshot, "
+            "contribution, override).",
+            ["kind"],
+            registry=r,
+        )
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -41,13 +42,14 @@ from gateway.overrides.model import MAX_WEIGHT as MAX_WEIGHT
 from gateway.overrides.model import parse_reason as parse_reason
 from gateway.overrides.model import parse_ttl as parse_ttl
 from gateway.overrides.model import parse_weight as parse_weight
-from gateway.overrides.store import OverrideStore
+from gateway.overrides.store import MAX_OVERRIDE_BYTES, OverrideStore
 from gateway.periodic import raise_if_cancelled
 from gateway.routing.route_state import RoutingState
 from gateway.store.base import StoreUnavailable
 
 logger = logging.getLogger("specgate.overrides")
 
+MAX_NAME = 256  # characters of an override's id, pool, endpoint, class or actor read back from the store
 Kind = Literal["pool_weight", "endpoint_weight", "drain", "class_route"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 MAX_PENDING_AUDIT = 10_000
@@ -121,27 +123,43 @@ class Override:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Override:
+        """An override as ``as_dict`` wrote it; ValueError for anything else (what the store holds is checked: the
+        kind, the value's type and range, the names' types and lengths, finite times)."""
         kind = d["kind"]
         if kind not in KINDS:
-            raise ValueError(f"unknown override kind {kind!r}")
+            raise ValueError(f"unknown override kind {str(kind)[:40]!r}")
         value = d.get("value")
         if kind == "class_route" and value not in ("speculative", "standard"):
-            raise ValueError(f"class_route value must be speculative or standard, got {value!r}")
+            raise ValueError(f"class_route value must be speculative or standard, got {str(value)[:40]!r}")
         if kind in ("pool_weight", "endpoint_weight") and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+            isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_WEIGHT
         ):
-            raise ValueError(f"weight must be a number >= 0, got {value!r}")
-        expires = d.get("expires_at")
+            raise ValueError(f"weight must be a number from 0 to {MAX_WEIGHT:g}, got {str(value)[:40]!r}")
+        if kind == "drain" and value is not None:
+            raise ValueError("a drain has no value")
+        names = {k: d.get(k) for k in ("id", "pool", "endpoint", "class", "actor")}
+        for k, v in names.items():
+            if not (v is None or isinstance(v, str)) or len(v or "") > MAX_NAME:
+                raise ValueError(f"{k!r} must be a string of at most {MAX_NAME} characters")
+        reason = d.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise ValueError(f"'reason' must be a string of at most {MAX_REASON} characters")
+        created, expires = d["created_at"], d.get("expires_at")
+        for t in (created, expires):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t)):
+                raise ValueError("created_at and expires_at must be finite numbers")
+        if not isinstance(names["id"], str) or created is None:
+            raise ValueError("an override needs an id and created_at")
         return cls(
-            id=str(d["id"]),
+            id=names["id"],
             kind=kind,
-            pool=d.get("pool"),
-            endpoint=d.get("endpoint"),
-            class_name=d.get("class"),
+            pool=names["pool"],
+            endpoint=names["endpoint"],
+            class_name=names["class"],
             value=float(value) if isinstance(value, int | float) else value,
-            reason=str(d.get("reason", "")),
-            actor=str(d.get("actor", "")),
-            created_at=float(d["created_at"]),
+            reason=reason,
+            actor=names["actor"] or "",
+            created_at=float(created),
             expires_at=None if expires is None else float(expires),
         )
 
@@ -189,6 +207,7 @@ class OverrideManager:
         routing: RoutingState,
         registry: CollectorRegistry,
         local_audit: AuditLog | None = None,
+        on_rejected: Callable[[str], object] = lambda kind: None,
         clock: Callable[[], float] = time.time,
         tick_s: float = 0.5,
         reread_s: float = 5.0,
@@ -198,6 +217,7 @@ class OverrideManager:
         self._rules = rules
         self._routing = routing
         self._local = local_audit  # this process's recent records and the JSON log line
+        self._on_rejected = on_rejected  # an override read back that failed its checks ("override")
         self._clock = clock
         self.tick_s = tick_s
         self.reread_s = reread_s
@@ -280,8 +300,11 @@ class OverrideManager:
         stored: dict[str, Override] = {}
         for raw in payloads:
             try:
+                if raw is None:
+                    raise ValueError(f"malformed, or larger than {MAX_OVERRIDE_BYTES} bytes (not read)")
                 o = Override.from_bytes(raw)
             except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
+                self._on_rejected("override")
                 logger.warning("ignoring an unreadable override in the store: %s", exc)
                 continue
             stored[o.key] = o

@@ -44,6 +44,10 @@ logger = logging.getLogger("specgate.store")
 
 DEFAULT_PREFIX = "specgate:"
 AUDIT_CAPACITY = 10_000
+# Read back from Redis, at most (what the admin API writes is far smaller: one override of bounded fields each, one
+# per kind and target).
+MAX_OVERRIDE_BYTES = 16 * 1024
+MAX_OVERRIDES = 10_000
 RESUBSCRIBE_S = 1.0
 
 
@@ -61,8 +65,9 @@ class OverrideStore(Protocol):
         """Remove the override under ``key`` if it is still ``override_id``; the payload THIS call removed."""
         ...
 
-    async def list_overrides(self) -> list[bytes]:
-        """Every stored override's payload (expired ones too, until someone deletes them)."""
+    async def list_overrides(self) -> list[bytes | None]:
+        """Every stored override's payload (expired ones too, until someone deletes them), at most
+        ``MAX_OVERRIDES``; None in place of one larger than ``MAX_OVERRIDE_BYTES`` (not read) or malformed."""
         ...
 
     async def append_audit(self, at: float, payload: bytes) -> None: ...
@@ -114,7 +119,7 @@ class MemoryOverrideStore:
         del self._overrides[key]
         return old[1]
 
-    async def list_overrides(self) -> list[bytes]:
+    async def list_overrides(self) -> list[bytes | None]:
         return [payload for _, payload in self._overrides.values()]
 
     async def append_audit(self, at: float, payload: bytes) -> None:
@@ -176,6 +181,24 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return v
 """
 
+# KEYS[1] = overrides hash; ARGV = max bytes of one value, max values. Returns at most that many values, each one
+# longer than the cap replaced by false (so it is counted, never sent back).
+_LIST = """
+local out = {}
+local cap = tonumber(ARGV[1])
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+  if #out >= tonumber(ARGV[2]) then
+    break
+  end
+  if #v > cap then
+    out[#out + 1] = 0
+  else
+    out[#out + 1] = v
+  end
+end
+return out
+"""
+
 # KEYS[1] = audit zset, KEYS[2] = total counter; ARGV = time, payload, capacity.
 _APPEND = """
 local n = redis.call('INCR', KEYS[2])
@@ -218,6 +241,7 @@ class RedisOverrideStore:
         self._put = client.register_script(_PUT)
         self._delete = client.register_script(_DELETE)
         self._append = client.register_script(_APPEND)
+        self._list = client.register_script(_LIST)
 
     @classmethod
     def from_url(
@@ -255,12 +279,15 @@ class RedisOverrideStore:
             raise self._unavailable("delete override", exc) from exc
         return _payload(old)
 
-    async def list_overrides(self) -> list[bytes]:
+    async def list_overrides(self) -> list[bytes | None]:
         try:
-            values = await self._client.hvals(self._overrides_key)
+            values = await self._list(keys=[self._overrides_key], args=[MAX_OVERRIDE_BYTES, MAX_OVERRIDES])
         except (RedisError, OSError) as exc:
             raise self._unavailable("list overrides", exc) from exc
-        return [p for p in (_payload(v) for v in values) if p is not None]
+        out: list[bytes | None] = []
+        for v in values:  # too large (not sent) or without its id: None, which the caller counts and ignores
+            out.append(_payload(v) if isinstance(v, bytes) else None)
+        return out
 
     async def append_audit(self, at: float, payload: bytes) -> None:
         try:

@@ -37,6 +37,7 @@ from gateway.errors import (
     Overloaded,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamInvalidResponse,
     UpstreamResponseTooLarge,
     UpstreamTimeout,
 )
@@ -275,7 +276,7 @@ class ProxyExchange:
             sent += 1
             client = self.clients[pool.name]
             headers = upstream_request_headers(
-                job.client_headers, request_id=rec.request_id, api_key=client.api_key, client_addr=job.client_addr
+                job.client_headers, request_id=rec.request_id, api_key=client.api_key, forwarded_for=job.forwarded_for
             )
             span = None
             if rec.trace is not None:  # tracing on: the attempt's CLIENT span, and its traceparent to the pool
@@ -305,6 +306,8 @@ class ProxyExchange:
                 policy.failed(ep, exc, self.pools.values(), result)
                 if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
                     metrics.limit_refused(exc.limit)
+                    raise
+                if isinstance(exc, UpstreamInvalidResponse):  # a status the gateway never relays: 502 now
                     raise
                 continue
             finally:

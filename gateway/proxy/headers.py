@@ -1,20 +1,26 @@
 """Header hygiene between client and upstream (RFC 9110 §7.6.1).
 
 Hop-by-hop headers, and every header named in ``Connection``, stop at the gateway in both directions.
-The client's ``Authorization`` never reaches a pool: it is replaced by the pool's own key, or dropped.
-``X-Request-Id`` is kept (or generated) and forwarded, so vLLM logs the same id as the gateway.
+Toward a pool, client headers pass by an allow-list: what a request to vLLM needs is set by the gateway itself
+(``Content-Type``, ``Accept-Encoding: identity``, ``X-Request-Id`` (the gateway's id, which vLLM logs),
+``Authorization`` with the pool's own key, never the client's), and only the headers of ``PASS_THROUGH`` are copied
+from the client: ``Accept``, the W3C trace context (``traceparent``, ``tracestate``: vLLM reads them when its
+tracing is on), and the control headers of the bundled test upstreams (``X-Sim-Task``, ``X-Fake-Behavior``; vLLM
+ignores them). Everything else stops here: cookies, other credentials (``X-Api-Key``), ``X-Forwarded-Host``,
+``x-vllm-*``, ``X-data-parallel-rank`` (vLLM's choice of rank), ``x-specgate-*``. A pass-through header named in
+``Connection`` is hop-by-hop and stops too.
 
-Other client headers are forwarded, except this deny-list (``CLIENT_DENIED``): headers that let a client steer
-vLLM itself (``X-data-parallel-rank`` picks the data-parallel rank that serves the request), that claim to be the
-gateway's (``x-specgate-*``), or that speak for the client's address (``Forwarded``, ``X-Real-IP``). The
-client's address is appended to ``X-Forwarded-For`` (after any values the client sent), as proxies do.
+``X-Forwarded-For`` is built from the socket peer (``forwarded_for``): the client's own values are kept, and the
+peer appended, only when the peer is one of ``--trusted-proxies``; any other client sends its address alone.
+``Forwarded`` and ``X-Real-IP`` never pass.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 HOP_BY_HOP = frozenset(
     {
@@ -30,11 +36,8 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# Set again by the HTTP client or server on each leg, or meaningless across it.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding", "expect"}
-# Client headers that must not reach a pool (module docstring); x-specgate-* is dropped by prefix.
-CLIENT_DENIED = frozenset({"x-data-parallel-rank", "forwarded", "x-real-ip"})
-_REQUEST_DROP_ID = _REQUEST_DROP | CLIENT_DENIED | {"x-request-id", "x-forwarded-for"}  # set by the gateway
+# The client headers a pool gets as they were sent (module docstring); the rest of what vLLM reads is the gateway's.
+PASS_THROUGH = frozenset({"accept", "traceparent", "tracestate", "x-sim-task", "x-fake-behavior"})
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "x-request-id"}
 _RESPONSE_DROP_B = frozenset(h.encode() for h in _RESPONSE_DROP)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -55,36 +58,57 @@ def upstream_request_headers(
     *,
     request_id: str,
     api_key: str | None,
-    client_addr: str | None = None,
+    forwarded_for: str | None = None,
 ) -> dict[str, str]:
-    """Headers to send to a pool: client headers minus hop-by-hop, credentials and the deny-list, plus id, pool key
-    and ``X-Forwarded-For``."""
+    """Headers to send to a pool: the client's ``PASS_THROUGH`` headers (less any named in ``Connection``), then the
+    gateway's own: ``X-Forwarded-For`` (``forwarded_for``), the request id, content type, the pool key."""
     out: dict[str, str] = {}
     named: list[str] = []  # the values of Connection headers
-    forwarded: list[str] = []  # the client's X-Forwarded-For values
     for k, v in client_headers:
         lk = k.lower()
-        if lk in _REQUEST_DROP_ID or lk.startswith("x-specgate-"):
-            if lk == "connection":
-                named.append(v)
-            elif lk == "x-forwarded-for":
-                forwarded.append(v)
-            continue
-        out[lk] = v
-    for v in named:  # a header named in Connection is dropped too, wherever it stood
+        if lk in PASS_THROUGH:
+            out[lk] = v
+        elif lk == "connection":
+            named.append(v)
+    for v in named:  # a header named in Connection is hop-by-hop, wherever it stood
         for t in v.split(","):
             if t.strip():
                 out.pop(t.strip().lower(), None)
-    if client_addr:
-        forwarded.append(client_addr)
-    if forwarded:
-        out["x-forwarded-for"] = ", ".join(forwarded)
+    if forwarded_for:
+        out["x-forwarded-for"] = forwarded_for
     out["x-request-id"] = request_id
     out["content-type"] = "application/json"
     out["accept-encoding"] = "identity"
     if api_key:
         out["authorization"] = f"Bearer {api_key}"
     return out
+
+
+Networks = Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
+
+
+def is_trusted(peer: str, trusted: Networks) -> bool:
+    """True when the socket peer ``peer`` lies in one of the ``trusted`` networks (an IPv4-mapped IPv6 address
+    counts as its IPv4 address); a peer that is not an IP address (a Unix socket) is not trusted."""
+    try:
+        addr = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return any(addr in net for net in trusted)
+
+
+def forwarded_for(peer: str | None, client_headers: Iterable[tuple[str, str]], trusted: Networks) -> str | None:
+    """The ``X-Forwarded-For`` a pool gets: the peer's address; when the peer is a trusted proxy, the values it
+    sent (each ``X-Forwarded-For`` line, in order) with the peer appended."""
+    if not peer:
+        return None
+    if trusted and is_trusted(peer, trusted):
+        sent = [v.strip() for k, v in client_headers if k.lower() == "x-forwarded-for" and v.strip()]
+        if sent:
+            return ", ".join([*sent, peer])
+    return peer
 
 
 def client_response_headers(upstream_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -11,6 +11,8 @@ store answers                     the request gets
                                   polls until it completes (replay), disappears (claims it) or times out (409)
 either, another fingerprint       422 ``idempotency_key_mismatch``
 ``StoreUnavailable``              503 + Retry-After (``store_unavailable: refuse``), or runs without a key
+``Completed``, invalid record     the same as ``StoreUnavailable``, counted in
+                                  ``specgate_store_rejected_records_total{kind="idempotency"}`` (``decode``)
 ================================  =============================================================================
 
 **Key syntax.** The draft makes the header a Structured Field sf-string (``Idempotency-Key: "8e03978e"``); SDKs send
@@ -95,6 +97,12 @@ _BARE_KEY = re.compile(r"[!#-\[\]-~]{1,255}")  # visible ASCII except '"' and '\
 _SF_STRING_BODY = re.compile(r'(?:[ !#-\[\]-~]|\\["\\])*')
 _SF_ESCAPE = re.compile(r'\\(["\\])')
 _MAGIC = b"SGI1"
+# A stored record is the response body (at most max_response_bytes, plus an error event when a stream was cut
+# short) and a small head; a record larger than that allowance, or a head larger than MAX_HEAD_BYTES, was not
+# written by the gateway.
+RECORD_OVERHEAD_BYTES = 64 * 1024
+MAX_HEAD_BYTES = 16 * 1024
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (a tab is allowed) in a header value
 NOT_STORED_CODE = "idempotency_response_not_stored"
 
 
@@ -163,13 +171,36 @@ class StoredResponse:
         return _MAGIC + len(head).to_bytes(4, "big") + head + self.body
 
     @classmethod
-    def decode(cls, blob: bytes) -> StoredResponse:
+    def decode(cls, blob: bytes, *, max_bytes: int = 0) -> StoredResponse:
+        """A record as ``encode`` wrote it, or ValueError: what a store gives back is checked, never trusted (the
+        size, the status 200–599, the headers: only ``STORED_HEADERS``, each once, no control characters)."""
+        if 0 < max_bytes < len(blob):
+            raise ValueError(f"larger than {max_bytes} bytes")
         if blob[:4] != _MAGIC or len(blob) < 8:
             raise ValueError("not a stored response (bad magic)")
         n = int.from_bytes(blob[4:8], "big")
-        head = orjson.loads(blob[8 : 8 + n])
-        headers = tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"])
-        return cls(int(head["status"]), headers, blob[8 + n :])
+        if n > MAX_HEAD_BYTES or 8 + n > len(blob):
+            raise ValueError(f"a head of {n} bytes")
+        head = orjson.loads(blob[8 : 8 + n])  # orjson.JSONDecodeError is a ValueError
+        if not isinstance(head, dict):
+            raise ValueError("the head is not an object")
+        status = head.get("status")
+        if isinstance(status, bool) or not isinstance(status, int) or not 200 <= status <= 599:
+            raise ValueError(f"status {str(status)[:20]!r} is not 200..599")
+        raw = head.get("headers")
+        if not isinstance(raw, list) or len(raw) > len(STORED_HEADERS):
+            raise ValueError("headers: not a list of at most the stored headers")
+        headers: list[tuple[bytes, bytes]] = []
+        for item in raw:
+            if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                raise ValueError("headers: each must be a [name, value] pair of strings")
+            name, value = item[0].encode("latin-1"), item[1]  # UnicodeEncodeError is a ValueError
+            if name not in STORED_HEADERS or any(k == name for k, _ in headers):
+                raise ValueError(f"header {item[0][:40]!r} is not one the gateway stores (or is repeated)")
+            if len(value) > 1024 or _BAD_VALUE.search(value):
+                raise ValueError(f"header {item[0]!r} has a value the gateway never stores")
+            headers.append((name, value.encode("latin-1")))
+        return cls(status, tuple(headers), blob[8 + n :])
 
     def replay(self) -> Response:
         """The stored response again, marked ``Idempotent-Replayed: true`` (a stream as its exact transcript)."""
@@ -371,6 +402,11 @@ class Replay:
     result: Result  # replayed | waited_replayed
 
 
+def record_cap(cfg: IdempotencyConfig) -> int:
+    """The largest record read back from the store: the configured response cap and the head's allowance."""
+    return cfg.max_response_bytes + RECORD_OVERHEAD_BYTES
+
+
 def _count(metrics: GatewayMetrics, result: Result, record: RequestRecord | None = None) -> None:
     metrics.idempotency.labels(result).inc()
     if record is not None:
@@ -398,7 +434,7 @@ async def begin(
     delay = 0.02
     try:
         while True:
-            got = await store.claim(key, fingerprint, lease_ms=lease_ms)
+            got = await store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=record_cap(cfg))
             if isinstance(got, Claimed):
                 _count(metrics, "claimed", record)
                 return KeyClaim(store, key, got.token, cfg, metrics, request_id, fingerprint)
@@ -409,11 +445,15 @@ async def begin(
                 )
             if isinstance(got, Completed):
                 result: Result = "replayed" if deadline is None else "waited_replayed"
-                _count(metrics, result, record)
                 try:
-                    stored = StoredResponse.decode(got.response)
-                except ValueError as exc:  # not a record this gateway wrote: a store problem, not a 500
-                    raise StoreUnavailable(f"unreadable stored response: {exc}") from exc
+                    if got.oversize:
+                        raise ValueError(f"larger than {record_cap(cfg)} bytes (not read)")
+                    stored = StoredResponse.decode(got.response, max_bytes=record_cap(cfg))
+                except ValueError as exc:  # not a record this gateway wrote: ignored, as an unreachable store
+                    metrics.store_rejected.labels("idempotency").inc()
+                    logger.warning("request %s: ignoring an invalid Idempotency-Key record: %s", request_id, exc)
+                    raise StoreUnavailable(f"invalid stored response: {exc}") from exc
+                _count(metrics, result, record)
                 return Replay(stored, result)
             if cfg.on_running == "wait":
                 now = loop.time()

@@ -24,7 +24,7 @@ from gateway.observability.metrics import Outcome
 from gateway.observability.tracing import TRACE_ID_HEADER, RequestTrace
 from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyExchange
-from gateway.proxy.headers import request_id
+from gateway.proxy.headers import forwarded_for, request_id
 from gateway.proxy.http import error_response, parse_object, read_body
 from gateway.proxy.idempotency import (
     KEY_HEADER,
@@ -199,7 +199,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         dialect=ResponsesDialect() if route.endpoint == "responses" else CHAT,
         pinned=sticky.pinned,
         on_answer=sticky.on_answer,
-        client_addr=_client_addr(scope),
+        forwarded_for=forwarded_for(_client_addr(scope), client_headers, rt.trusted_proxies),
         detached=rt.detached,
         tenant=tenant,
         prompt=prompt,

@@ -39,7 +39,7 @@ class ProxyJob:
     method: str = "POST"
     # Called with a 200 answer's body (a stream: its first event) before the client sees it (Responses API ids).
     on_answer: Callable[[PoolState, EndpointState, bytes], Awaitable[None]] | None = None
-    client_addr: str | None = None  # the client's IP address, appended to X-Forwarded-For
+    forwarded_for: str | None = None  # the X-Forwarded-For a pool gets (gateway.proxy.headers.forwarded_for)
     detached: DetachedBudget | None = None  # keyed: may it run on after its client left (None: always)
     tenant: bytes = b"anonymous"  # the client's scope in ``detached``
     prompt: tuple[int, ...] = ()  # the prompt's chunk hashes (gateway.routing.prompt_key), for prefix affinity

@@ -33,7 +33,7 @@ from gateway.overrides.manager import Override, OverrideManager
 from gateway.overrides.store import build_override_store
 from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
-from gateway.routing.attempts import AttemptPolicy, would_strand
+from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
 from gateway.routing.route_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
@@ -68,6 +68,7 @@ class Runtime:
         # Keyed generations left running after their client went away (gateway.runtime.detached).
         self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
+        self.trusted_proxies = settings.trusted_proxy_networks()  # whose X-Forwarded-For is kept (proxy.headers)
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         token = (settings.metrics_token or "").strip()
@@ -115,6 +116,7 @@ class Runtime:
             routing=self.routing,
             registry=self.metrics.registry,
             local_audit=self.audit,
+            on_rejected=lambda kind: self.metrics.store_rejected.labels(kind).inc(),
         )
         # Cluster mode (with Redis): one replica leads (scrapes, checks health, runs the controllers) and publishes
         # a snapshot the others route on; all share their in-flight and class counts (gateway.cluster.node).
@@ -131,6 +133,7 @@ class Runtime:
                 own_counts=self._own_counts,
                 on_counts=self._apply_counts,
                 on_lead=self._scrape_now.set,
+                on_rejected=lambda kind: self.metrics.store_rejected.labels(kind).inc(),
                 registry=self.metrics.registry,
             )
             self.routing.remote_counts = self.cluster.remote_class_counts
@@ -206,7 +209,21 @@ class Runtime:
         """A follower takes the leader's snapshot: endpoint health and ejections, pool loads, class shares."""
         now = time.monotonic()
         pools = list(self.live.pools.values())
-        for ep in cluster_snapshot.apply_endpoints(snap, pools, now):
+        spec = self.live.rules.defaults.outlier_detection
+        suspect: list[str] = []
+        changed = cluster_snapshot.apply_endpoints(
+            snap,
+            pools,
+            now,
+            max_ejection_s=spec.max_ejection_s,
+            max_ejection_percent=spec.max_ejection_percent,
+            max_fresh_s=self.cluster.stale_after_s if self.cluster is not None else 60.0,
+            suspect=suspect,
+        )
+        if suspect:
+            self.metrics.store_rejected.labels("snapshot").inc()
+            logger.warning("cluster snapshot out of bounds, cut: %s", "; ".join(suspect[:5]))
+        for ep in changed:
             logger.warning("endpoint %s/%s is now %s (cluster leader)", ep.pool, ep.id, "up" if ep.healthy else "down")
         for pool in pools:
             for ep in pool.endpoints:
@@ -235,13 +252,14 @@ class Runtime:
         ejections = node.remote_ejections() if node is not None else {}
         now = time.monotonic()
         pools = list(self.live.pools.values())
-        max_s = self.live.rules.defaults.outlier_detection.max_ejection_s
+        spec = self.live.rules.defaults.outlier_detection
+        max_s = spec.max_ejection_s
         for p in pools:
             for e in p.endpoints:
                 key = f"{p.name}/{e.id}"
                 e.remote_in_flight = remote.get(key, 0)
                 left = ejections.get(key)
-                if left is None or e.ejected or would_strand(e, pools):
+                if left is None or e.ejected or not cluster_snapshot.may_eject(e, p, pools, spec.max_ejection_percent):
                     continue
                 e.ejected, e.ejected_here, e.ejected_until = True, False, now + min(left, max_s)
                 self.metrics.endpoint_ejected.labels(e.pool, e.id).set(1)

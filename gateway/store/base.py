@@ -51,6 +51,7 @@ class Completed:
 
     fingerprint: str
     response: bytes
+    oversize: bool = False  # the stored response was larger than the reader's cap: left in the store, not read
 
 
 ClaimResult = Claimed | Running | Completed
@@ -61,7 +62,10 @@ class Store(Protocol):
 
     name: str  # "memory" | "redis"
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult: ...
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+        """``max_bytes`` (> 0): a completed record's response larger than this is not read back (a record the
+        gateway did not write; ``Completed.oversize``)."""
+        ...
 
     async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
         """Renew a running claim's lease; False when ``token`` no longer owns the key."""

@@ -140,8 +140,8 @@ class StoreHealth:
             self.mark_failed(op, str(exc))
             raise
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
-        return await self._call("claim", self.store.claim(key, fingerprint, lease_ms=lease_ms))
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+        return await self._call("claim", self.store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes))
 
     async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
         return await self._call("extend", self.store.extend(key, token, lease_ms=lease_ms))

@@ -142,11 +142,13 @@ class MemoryStore:
         for k in victims:
             self._drop(k)
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
         now = self._clock()
         rec = self._live(key, now)
         if rec is not None:
             if rec.response is not None:
+                if 0 < max_bytes < len(rec.response):
+                    return Completed(rec.fingerprint, b"", oversize=True)
                 return Completed(rec.fingerprint, rec.response)
             return Running(rec.fingerprint)
         self._make_room(now)

@@ -15,9 +15,11 @@ Every operation is one Lua script (registered once, run by ``EVALSHA``, reloaded
 restart flushed the script cache), so each is atomic and one round trip:
 
 - ``claim`` creates the running record unless one exists, else returns the existing record's state, fingerprint
-  and response (a replay needs no second round trip). A record already running under the *same* token answers
-  "claimed": the client retries a command once when the connection drops, and a claim that reached Redis before
-  the drop must not be reported back to its own owner as someone else's.
+  and response (a replay needs no second round trip), but never a response longer than the caller's cap: what
+  Redis holds is not trusted to be what the gateway wrote (``gateway.proxy.idempotency`` validates the rest).
+  A record already running under the *same* token answers "claimed": the client retries a command once when the
+  connection drops, and a claim that reached Redis before the drop must not be reported back to its own owner as
+  someone else's.
 - ``extend``, ``complete``, ``release`` compare the owner token and the state before writing (compare-and-set):
   a late finisher whose lease ran out cannot touch the newer claim. ``complete`` by the owner of an already
   completed record answers true without writing (a retried call).
@@ -46,14 +48,25 @@ from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUn
 
 DEFAULT_PREFIX = "specgate:idem:"
 
-# KEYS[1] = record; ARGV = token, fingerprint, lease_ms. Returns 1 (claimed) or {state, fingerprint, response}.
+# KEYS[1] = record; ARGV = token, fingerprint, lease_ms, max_bytes. Returns 1 (claimed) or {state, fingerprint,
+# response}, or {state, fingerprint, false, 1} when the response is longer than max_bytes (> 0): a record the
+# gateway did not write is never sent back whole. A fingerprint longer than 128 bytes (ours are 64) comes back as
+# '-', which matches no request. HSTRLEN first: an oversized field is never even copied.
 _CLAIM = """
-local rec = redis.call('HMGET', KEYS[1], 's', 't', 'f', 'r')
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] then
   if rec[1] == 'running' and rec[2] == ARGV[1] then
     return 1
   end
-  return {rec[1], rec[3], rec[4]}
+  local fp = '-'
+  if redis.call('HSTRLEN', KEYS[1], 'f') <= 128 then
+    fp = redis.call('HGET', KEYS[1], 'f')
+  end
+  local cap = tonumber(ARGV[4]) or 0
+  if cap > 0 and redis.call('HSTRLEN', KEYS[1], 'r') > cap then
+    return {rec[1], fp, false, 1}
+  end
+  return {rec[1], fp, redis.call('HGET', KEYS[1], 'r')}
 end
 redis.call('HSET', KEYS[1], 's', 'running', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -114,13 +127,17 @@ def redact_url(url: str) -> str:
 
 
 def _record(raw: Any) -> Running | Completed | None:
-    """Decode the ``[state, fingerprint, response]`` reply of the claim script or ``HMGET``."""
-    state, fingerprint, response = raw
+    """Decode the ``[state, fingerprint, response(, oversize)]`` reply of the claim script or ``HMGET``."""
+    if not isinstance(raw, list | tuple) or len(raw) < 3:
+        raise StoreUnavailable(f"redis returned an unexpected reply: {str(raw)[:100]!r}")
+    state, fingerprint, response = raw[0], raw[1], raw[2]
     if state is None:
         return None
-    fp = fingerprint.decode() if isinstance(fingerprint, bytes) else str(fingerprint or "")
+    fp = fingerprint.decode("utf-8", "replace") if isinstance(fingerprint, bytes) else str(fingerprint or "")
     if state == b"done":
-        return Completed(fp, bytes(response or b""))
+        if len(raw) > 3 and raw[3] == 1:
+            return Completed(fp, b"", oversize=True)
+        return Completed(fp, response if isinstance(response, bytes) else b"")
     return Running(fp)
 
 
@@ -196,9 +213,9 @@ class RedisStore:
         except (RedisError, OSError) as exc:  # TimeoutError is an OSError
             raise self._unavailable(op, exc) from exc
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
         token = secrets.token_hex(16)
-        raw = await self._run("claim", self._claim, key, token, fingerprint, int(lease_ms))
+        raw = await self._run("claim", self._claim, key, token, fingerprint, int(lease_ms), max(0, int(max_bytes)))
         if raw == 1:
             return Claimed(token)
         rec = _record(raw)

@@ -19,13 +19,15 @@ def test_hop_by_hop_and_connection_named_headers_are_dropped() -> None:
         ("Proxy-Authorization", "Basic abc"),
         ("Content-Length", "123"),
         ("X-Sim-Task", "code"),
-        ("OpenAI-Organization", "org-1"),
+        ("Accept", "application/json"),
+        ("Connection", "traceparent"),
+        ("traceparent", "00-abc-def-01"),
     ]
     out = upstream_request_headers(client, request_id="rid-1", api_key=None)
-    for name in [*HOP_BY_HOP, "host", "content-length", "x-custom-hop"]:
+    for name in [*HOP_BY_HOP, "host", "content-length", "x-custom-hop", "traceparent"]:
         assert name not in out, name
     assert out["x-sim-task"] == "code"
-    assert out["openai-organization"] == "org-1"
+    assert out["accept"] == "application/json"
     assert out["x-request-id"] == "rid-1"
 
 

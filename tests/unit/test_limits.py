@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -9,8 +10,9 @@ import pytest
 
 from gateway.config.loader import RulesError, load_rules_text, pool_key_issues
 from gateway.config.schema import RoutingRules
+from gateway.config.settings import Settings, SettingsError
 from gateway.errors import InvalidJSON
-from gateway.proxy.headers import upstream_request_headers
+from gateway.proxy.headers import forwarded_for, upstream_request_headers
 from gateway.proxy.limits import check_json_depth
 
 
@@ -44,30 +46,62 @@ def test_the_deepest_accepted_body_can_be_reserialised() -> None:
     orjson.dumps({"wrapped": body}, option=orjson.OPT_SORT_KEYS)  # what the fingerprint and the usage option do
 
 
-def test_client_headers_that_steer_vllm_or_speak_for_the_gateway_are_dropped() -> None:
+def test_only_the_allow_listed_client_headers_reach_a_pool() -> None:
     client = [
         ("X-data-parallel-rank", "3"),
         ("X-Specgate-Pool", "forged"),
         ("Forwarded", "for=1.2.3.4"),
         ("X-Real-IP", "1.2.3.4"),
+        ("Cookie", "session=secret"),
+        ("X-Api-Key", "sk-client"),
+        ("X-Forwarded-Host", "evil.example"),
+        ("X-Vllm-Foo", "bar"),
+        ("OpenAI-Organization", "org-1"),
+        ("X-Forwarded-For", "6.6.6.6"),
+        ("Content-Type", "text/plain"),
         ("X-Sim-Task", "code"),
+        ("X-Fake-Behavior", "{}"),
+        ("Accept", "text/event-stream"),
         ("traceparent", "00-abc-def-01"),
+        ("tracestate", "k=v"),
     ]
-    out = upstream_request_headers(client, request_id="r", api_key=None, client_addr="10.0.0.9")
-    assert "x-data-parallel-rank" not in out
-    assert "x-specgate-pool" not in out
-    assert "forwarded" not in out
-    assert "x-real-ip" not in out
-    assert out["x-sim-task"] == "code"
-    assert out["traceparent"] == "00-abc-def-01"
-    assert out["x-forwarded-for"] == "10.0.0.9"
+    out = upstream_request_headers(client, request_id="r", api_key="pool-key", forwarded_for="10.0.0.9")
+    assert out == {
+        "x-sim-task": "code",
+        "x-fake-behavior": "{}",
+        "accept": "text/event-stream",
+        "traceparent": "00-abc-def-01",
+        "tracestate": "k=v",
+        "x-forwarded-for": "10.0.0.9",
+        "x-request-id": "r",
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+        "authorization": "Bearer pool-key",
+    }
 
 
-def test_x_forwarded_for_is_appended_to_what_the_client_sent() -> None:
+@pytest.mark.parametrize(
+    ("peer", "trusted", "expected"),
+    [
+        ("10.0.0.9", "", "10.0.0.9"),  # no trusted proxies: the client's values are dropped
+        ("10.0.0.9", "127.0.0.1/32", "10.0.0.9"),  # a peer that is not trusted
+        ("127.0.0.1", "127.0.0.1/32", "1.1.1.1, 2.2.2.2, 3.3.3.3, 127.0.0.1"),
+        ("10.1.2.3", "192.168.0.1, 10.0.0.0/8", "1.1.1.1, 2.2.2.2, 3.3.3.3, 10.1.2.3"),
+        ("::ffff:10.1.2.3", "10.0.0.0/8", "1.1.1.1, 2.2.2.2, 3.3.3.3, ::ffff:10.1.2.3"),
+        ("/tmp/gw.sock", "10.0.0.0/8", "/tmp/gw.sock"),
+    ],
+)
+def test_x_forwarded_for_is_kept_only_from_a_trusted_proxy(peer: str, trusted: str, expected: str) -> None:
+    networks = Settings(rules=Path("r.yaml"), trusted_proxies=trusted).trusted_proxy_networks()
     client = [("X-Forwarded-For", "1.1.1.1"), ("x-forwarded-for", "2.2.2.2, 3.3.3.3")]
-    out = upstream_request_headers(client, request_id="r", api_key=None, client_addr="10.0.0.9")
-    assert out["x-forwarded-for"] == "1.1.1.1, 2.2.2.2, 3.3.3.3, 10.0.0.9"
-    assert "x-forwarded-for" not in upstream_request_headers([], request_id="r", api_key=None)
+    assert forwarded_for(peer, client, networks) == expected
+    assert forwarded_for(peer, [], networks) == peer
+    assert forwarded_for(None, client, networks) is None
+
+
+def test_a_malformed_trusted_proxy_is_refused_naming_the_setting() -> None:
+    with pytest.raises(SettingsError, match=r"trusted_proxies: 'ten\.0\.0\.0/8'"):
+        Settings(rules=Path("r.yaml"), trusted_proxies="127.0.0.1, ten.0.0.0/8")
 
 
 RULES = """\

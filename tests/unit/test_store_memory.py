@@ -113,9 +113,9 @@ class FlakyStore(MemoryStore):
         if self.down:
             raise StoreUnavailable("flaky store is down")
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int) -> ClaimResult:
+    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
         self._check()
-        return await super().claim(key, fingerprint, lease_ms=lease_ms)
+        return await super().claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes)
 
     async def ping(self) -> None:
         self._check()
