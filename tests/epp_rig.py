@@ -118,15 +118,15 @@ class Envoy:
 class Epp:
     """``python -m gateway epp`` as a process on free ports: gRPC, admin API (token), metrics and probes."""
 
-    def __init__(self, rules: Path, workdir: Path, args: list[str] | None = None) -> None:
+    def __init__(self, rules: Path, workdir: Path, *, health_interval_s: float = 0.2) -> None:
         self.port, self.admin_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log = workdir / f"epp-{self.port}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
         env.update(SPECGATE_ADMIN_TOKEN=ADMIN_TOKEN, SPECGATE_LOG_LEVEL="warning")
         self.cmd = [sys.executable, "-m", "gateway", "epp", "--rules", str(rules), "--host", "127.0.0.1"]
         self.cmd += ["--port", str(self.port), "--admin-port", str(self.admin_port)]
-        self.cmd += ["--metrics-port", str(self.metrics_port), "--health-interval", "0.2", "--health-timeout", "0.5"]
-        self.cmd += args or []
+        self.cmd += ["--metrics-port", str(self.metrics_port), "--health-interval", str(health_interval_s)]
+        self.cmd += ["--health-timeout", "0.5"]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 

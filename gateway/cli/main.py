@@ -1,5 +1,5 @@
-"""The ``specgate`` command: serve | epp | validate | explain | demo | sim | bench | report, and the admin commands (pools,
-weight, drain, undrain, force, overrides, audit, reload: ``gateway.cli.admin``).
+"""The ``specgate`` command: serve | epp | validate | explain | demo | sim | bench | report, and the admin commands
+(pools, weight, drain, undrain, force, overrides, audit, reload: ``gateway.cli.admin``).
 
 Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
 """

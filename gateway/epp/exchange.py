@@ -85,7 +85,7 @@ class Exchange:
             return self._refuse(PayloadTooLarge(f"request body is over {limit} bytes"))
         self.body.append(chunk)
         if not end:  # a streamed body: keep it until its end (bounded by max_body_bytes)
-            return messages.ProcessingResponse(request_body=messages.BodyResponse())
+            return messages.continue_body()
         raw = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body = []
         return self._decide(raw, on_body=True)
@@ -181,4 +181,3 @@ class Exchange:
             rec.finish(_outcome(self.status), self.rt.metrics, self.rt.access_log)
         else:
             rec.finish("client_disconnect", self.rt.metrics, self.rt.access_log)
-

@@ -80,7 +80,7 @@ def refusal(exc: GatewayError, extra: Iterable[tuple[str, str]] = ()) -> Process
     headers = [("content-type", "application/json"), *exc.headers.items(), *extra]
     return ProcessingResponse(
         immediate_response=ImmediateResponse(
-            status=HttpStatus(code=exc.status),  # type: ignore[arg-type]
+            status=HttpStatus(code=exc.status),
             headers=_mutation(headers),
             body=orjson.dumps(exc.envelope()),
             details=f"specgate_{exc.code or exc.type}",
@@ -91,11 +91,18 @@ def refusal(exc: GatewayError, extra: Iterable[tuple[str, str]] = ()) -> Process
 def decorate_response(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> ProcessingResponse:
     """The response headers with the decision headers added."""
     items = headers.items() if isinstance(headers, Mapping) else headers
-    return ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse(header_mutation=_mutation(items))))
+    return ProcessingResponse(
+        response_headers=HeadersResponse(response=CommonResponse(header_mutation=_mutation(items)))
+    )
 
 
 def continue_response_headers() -> ProcessingResponse:
     return ProcessingResponse(response_headers=HeadersResponse())
+
+
+def continue_body() -> ProcessingResponse:
+    """A chunk of a streamed request body passes on (the decision waits for its end)."""
+    return ProcessingResponse(request_body=BodyResponse())
 
 
 def continue_response_body() -> ProcessingResponse:

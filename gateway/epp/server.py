@@ -29,13 +29,13 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _MESSAGE_SLACK = 256 * 1024
 
 
-class Processor(ext_proc_grpc.ExternalProcessorServicer):
+class Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # generated, untyped
     """The ExternalProcessor service: one ``Exchange`` per stream, answered message by message."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    async def Process(  # noqa: N802 (the generated servicer's name)
+    async def Process(  # the generated servicer's method name
         self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[ProcessingResponse]:
         exchange = Exchange(self.rt)
