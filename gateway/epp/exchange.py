@@ -94,16 +94,11 @@ class Exchange:
         rec = self.record
         assert rec is not None
         try:
-            p = pick(self.rt, self.method, self.path, self.headers, raw)
+            p = pick(self.rt, self.method, self.path, self.headers, raw, rec)
         except GatewayError as exc:
             return self._refuse(exc)
         self.picked = p
-        rec.traffic_class, rec.task_type, rec.route_reason, rec.stream = (
-            p.traffic_class,
-            p.task_type,
-            p.route_reason,
-            p.stream,
-        )
+        rec.route_reason = p.route_reason
         first = p.endpoints[0]
         self._hold(p.pools[address(first.url)], first)
         rec.upstream_start = time.perf_counter()

@@ -18,6 +18,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
 from gateway.proxy.limits import check_json_depth
+from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
 from gateway.routing.decision import decide
@@ -84,9 +85,13 @@ def _no_endpoint() -> NoCapacity:
     return NoCapacity("no endpoint can take this request now", retry_after_s=5)
 
 
-def pick(rt: Runtime, method: str, path: str, headers: Mapping[str, str], raw: bytes) -> Pick:
+def pick(
+    rt: Runtime, method: str, path: str, headers: Mapping[str, str], raw: bytes, rec: RequestRecord | None = None
+) -> Pick:
     """The answer for one request (``headers``: lower-case names, first value). Raises the ``GatewayError`` Envoy
-    should answer itself: 401, 400, 404 (unknown model), 413, 405, 503 (no endpoint; ``overloaded``: shed)."""
+    should answer itself: 401, 400, 404 (unknown model), 413, 405, 503 (no endpoint; ``overloaded``: shed).
+    ``rec`` learns the class, task type and route reason as soon as they are known (a refusal is recorded with
+    them)."""
     route = ROUTES.get(path)
     if route is None:
         return pick_any(rt)
@@ -104,6 +109,9 @@ def pick(rt: Runtime, method: str, path: str, headers: Mapping[str, str], raw: b
     if d.features is not None:
         task_type = d.features.task_type
         extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", task_type)]
+    if rec is not None:
+        rec.traffic_class, rec.task_type, rec.route_reason = d.traffic_class, task_type, d.plan.reason
+        rec.stream = d.stream
     d.check_model()
     plan = d.plan
     extra.append(("x-specgate-route", plan.reason))
