@@ -171,8 +171,7 @@ class Exchange:
             return
         if self.refused is not None:
             rec.finish(self.refused, self.rt.metrics, self.rt.access_log)
-        elif self.status:
-            rec.first_sent = rec.upstream_first
+        elif self.status:  # the time to first token is not seen here (the response body is not read)
             rec.finish(_outcome(self.status), self.rt.metrics, self.rt.access_log)
         else:
             rec.finish("client_disconnect", self.rt.metrics, self.rt.access_log)

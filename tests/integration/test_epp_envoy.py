@@ -136,18 +136,18 @@ def test_drain_and_force_from_the_admin_api(rig: Rig, sims: list[str]) -> None:
 
 
 def test_dead_endpoint_skipped_through_the_fallback_list(rig: Rig, sims: list[str]) -> None:
-    """The picker still thinks spec-0 is up (no health round since it died): it lists it first, Envoy's connect
-    fails, and its retry takes the next address of the list, the standard pool's endpoint."""
+    """An endpoint the health checker found down is not listed: the request goes to the fallback pool."""
     dead = closed_port_url()
     epp = rig.epp(rules_for([dead], [sims[1]]), health_interval_s=0.2)
     envoy = rig.envoy(epp, [dead, sims[1]])
-    # The health checker marks the dead endpoint down quickly: then it is not even listed.
     r = chat(envoy, 0.1, CODE)
     assert r.status_code == 200
     assert r.headers["x-specgate-pool"] == "std"
 
 
 def test_endpoint_that_dies_after_the_pick_is_retried_on_the_next(rig: Rig, tmp_path: Path) -> None:
+    """The picker still thinks spec-0 is up (no health round since it died): it lists it first, Envoy's connect
+    fails, and its retry takes the next address of the list, the standard pool's endpoint."""
     gen = started_sims(2, time_scale=0.01, median=12, max_num_seqs=64)
     servers = next(gen)
     urls = [f"http://127.0.0.1:{s.port}" for s in servers]
