@@ -1,5 +1,5 @@
-"""The ``specgate`` command: serve | validate | explain | demo | sim | bench | report, and the admin commands (pools,
-weight, drain, undrain, force, overrides, audit, reload: ``gateway.cli.admin``).
+"""The ``specgate`` command: serve | epp | validate | explain | demo | sim | bench | report, and the admin commands
+(pools, weight, drain, undrain, force, overrides, audit, reload: ``gateway.cli.admin``).
 
 Every ``serve`` flag can also be given as a ``SPECGATE_*`` environment variable (the flag wins).
 """
@@ -202,6 +202,62 @@ def serve(
     from gateway.cli.serve import run_server
 
     run_server(settings)
+
+
+@app.command()
+def epp(
+    rules: Annotated[Path, typer.Option("--rules", envvar="SPECGATE_RULES", help="Routing YAML file.")],
+    host: Annotated[str, typer.Option(envvar="SPECGATE_HOST", help="Address to listen on.")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(envvar="SPECGATE_EPP_PORT", help="gRPC port of the ext_proc service.")] = 9002,
+    metrics_port: Annotated[
+        int, typer.Option(envvar="SPECGATE_METRICS_PORT", help="HTTP port of /metrics, /ready, /health (0: off).")
+    ] = 9090,
+    max_body_bytes: Annotated[
+        int, typer.Option(envvar="SPECGATE_MAX_BODY_BYTES", help="Largest request body classified.")
+    ] = 8 * 1024 * 1024,
+    api_keys: Annotated[
+        str, typer.Option(envvar="SPECGATE_API_KEYS", help="Client API keys, comma-separated (none = open).")
+    ] = "",
+    health_interval_s: Annotated[
+        float, typer.Option("--health-interval", envvar="SPECGATE_HEALTH_INTERVAL_S", help="Seconds between checks.")
+    ] = 5.0,
+    health_timeout_s: Annotated[
+        float, typer.Option("--health-timeout", envvar="SPECGATE_HEALTH_TIMEOUT_S", help="Health check timeout.")
+    ] = 2.0,
+    log_level: Annotated[
+        str, typer.Option(envvar="SPECGATE_LOG_LEVEL", help="debug | info | warning | error.")
+    ] = "info",
+    admin_host: Annotated[
+        str, typer.Option(envvar="SPECGATE_ADMIN_HOST", help="Admin API address (token: SPECGATE_ADMIN_TOKEN).")
+    ] = "127.0.0.1",
+    admin_port: Annotated[int, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port (0: off).")] = 8081,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(envvar="SPECGATE_REDIS_URL", help="Redis shared by the replicas (overrides, cluster state)."),
+    ] = None,
+) -> None:
+    """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
+    try:
+        settings = Settings(
+            rules=rules,
+            host=host,
+            port=port,
+            max_body_bytes=max_body_bytes,
+            api_keys=api_keys,
+            health_interval_s=health_interval_s,
+            health_timeout_s=health_timeout_s,
+            log_level=log_level,  # type: ignore[arg-type]
+            admin_host=admin_host,
+            admin_port=admin_port,
+            redis_url=redis_url or None,
+        )
+    except SettingsError as exc:
+        raise _fail(str(exc)) from exc
+    try:
+        from gateway.cli.epp import run_epp
+    except ImportError as exc:  # the optional extra is not installed
+        raise _fail(f"specgate epp needs the 'epp' extra: pip install 'specgate[epp]' ({exc})") from exc
+    run_epp(settings, metrics_port)
 
 
 @app.command()

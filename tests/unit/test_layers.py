@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bench", "report"),
     ("sim", "testing"),  # the stand-ins for vLLM: for the CLI and the benchmarks, never for the server
     ("admin",),
+    ("epp",),  # the Endpoint Picker: the proxy's decision answered to Envoy instead of forwarded
     ("proxy",),
     ("runtime",),
     ("cluster",),

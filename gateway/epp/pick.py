@@ -1,0 +1,127 @@
+"""One request's answer in EPP mode: the endpoints Envoy should use, in fallback order, or a refusal.
+
+The decision is the proxy mode's (``gateway.routing.decision.decide`` on the same live config and controllers);
+what differs is the output: instead of running attempts, the plan is laid out as a list of ``ip:port`` addresses
+(pools in plan order, one endpoint of each per round, as the attempt loop would try them), cut to the route's
+``max_attempts``. Pools whose admission bound is reached are left out; when none is left the request is shed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.errors import MethodNotAllowed, NoCapacity, PayloadTooLarge
+from gateway.fleet.pools import EndpointState, PoolState
+from gateway.proxy.app import PROXY_ROUTES
+from gateway.proxy.http import parse_object
+from gateway.proxy.limits import check_json_depth
+from gateway.proxy.record import RequestRecord
+from gateway.routing.attempts import AttemptPolicy, candidates
+from gateway.routing.classify import TASK_HEADER
+from gateway.routing.decision import decide
+from gateway.routing.plan import Plan
+from gateway.runtime.container import Runtime
+
+# The header (and the ``envoy.lb`` metadata key) that names the endpoints, as the endpoint picker protocol says.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+ROUTES = {route.path: route for route in PROXY_ROUTES}
+
+
+@dataclass(slots=True)
+class Pick:
+    """Where a request goes: ``endpoints`` in fallback order (the first is the choice), with their pools; the
+    decision headers for the response; what the record needs (class, task type, route reason)."""
+
+    endpoints: list[EndpointState]
+    pools: dict[str, PoolState]  # endpoint address -> its pool
+    traffic_class: str = "none"
+    task_type: str | None = None
+    route_reason: str | None = None
+    stream: bool = False
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    def addresses(self) -> list[str]:
+        return [address(ep.url) for ep in self.endpoints]
+
+
+def address(url: str) -> str:
+    """``http://10.0.0.5:8000/`` -> ``10.0.0.5:8000`` (an IPv6 host in brackets), as Envoy expects it."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _lay_out(
+    pools: Mapping[str, PoolState], plan_pools: tuple[str, ...], policy: AttemptPolicy, rng: random.Random, limit: int
+) -> tuple[list[EndpointState], dict[str, PoolState], list[str]]:
+    """The plan's endpoints in attempt order (admitting pools only), at most ``limit``; and the pools left out."""
+    full = [name for name in plan_pools if name in pools and not policy.admits(pools[name])]
+    order = tuple(name for name in plan_pools if name not in full)
+    chosen: list[EndpointState] = []
+    owner: dict[str, PoolState] = {}
+    for pool, ep in candidates(Plan(order, ""), pools, rng):  # the attempt loop's order
+        if len(chosen) >= limit:
+            break
+        chosen.append(ep)
+        owner[address(ep.url)] = pool
+    return chosen, owner, full
+
+
+def pick_any(rt: Runtime) -> Pick:
+    """A request that is not classified (a GET such as ``/v1/models``): every pool, in YAML order."""
+    live = rt.live
+    limit = max(1, live.rules.defaults.max_attempts)
+    chosen, owner, _ = _lay_out(live.pools, tuple(live.pools), rt.attempts, rt.rng, limit)
+    if not chosen:
+        raise _no_endpoint()
+    return Pick(chosen, owner, route_reason="unclassified")
+
+
+def _no_endpoint() -> NoCapacity:
+    return NoCapacity("no endpoint can take this request now", retry_after_s=5)
+
+
+def pick(
+    rt: Runtime, method: str, path: str, headers: Mapping[str, str], raw: bytes, rec: RequestRecord | None = None
+) -> Pick:
+    """The answer for one request (``headers``: lower-case names, first value). Raises the ``GatewayError`` Envoy
+    should answer itself: 401, 400, 404 (unknown model), 413, 405, 503 (no endpoint; ``overloaded``: shed).
+    ``rec`` learns the class, task type and route reason as soon as they are known (a refusal is recorded with
+    them)."""
+    route = ROUTES.get(path)
+    if route is None:
+        return pick_any(rt)
+    if method != "POST":
+        raise MethodNotAllowed(f"{method} is not allowed on {path}; use POST", headers={"allow": "POST"})
+    rt.authenticate(headers.get("authorization"))
+    if len(raw) > rt.settings.max_body_bytes:
+        raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
+    body = parse_object(raw)
+    check_json_depth(raw, body, rt.settings.max_json_depth)
+    live = rt.live
+    d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
+    extra: list[tuple[str, str]] = []
+    task_type = None
+    if d.features is not None:
+        task_type = d.features.task_type
+        extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", task_type)]
+    if rec is not None:
+        rec.traffic_class, rec.task_type, rec.route_reason = d.traffic_class, task_type, d.plan.reason
+        rec.stream = d.stream
+    d.check_model()
+    plan = d.plan
+    extra.append(("x-specgate-route", plan.reason))
+    if plan.empty:
+        raise plan.unavailable()
+    chosen, owner, full = _lay_out(live.pools, plan.pools, rt.attempts, rt.rng, max(1, d.max_attempts))
+    if not chosen:
+        if full:
+            raise rt.attempts.overloaded(
+                f"every pool that can serve this request is full ({', '.join(full)})", "admission"
+            )
+        raise _no_endpoint()
+    return Pick(chosen, owner, d.traffic_class, task_type, plan.reason, d.stream, extra)
