@@ -10,7 +10,7 @@ from typing import Any
 
 
 def serve(port: int) -> None:
-    import grpc  # type: ignore[import-untyped]
+    import grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
     class Sink(trace_service_pb2_grpc.TraceServiceServicer):
