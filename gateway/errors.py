@@ -16,6 +16,7 @@
     ├── Unprocessable                 422 invalid_request_error
     │   └── IdempotencyKeyMismatch    422 (code idempotency_key_mismatch)
     ├── PayloadTooLarge               413 (code request_too_large)
+    ├── RateLimited                   429 (a tenant's limit: type requests|tokens, code rate_limit_exceeded)
     ├── NoCapacity                    503 service_unavailable (Retry-After)
     │   ├── Overloaded                503 (code overloaded: shed, or every pool busy; Retry-After)
     │   ├── IdempotencyStoreUnavailable   503 (code idempotency_store_unavailable)
@@ -144,6 +145,25 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     default_code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    """A tenant past one of its limits, answered as OpenAI answers one: 429, type ``requests`` or ``tokens``
+    (the limit that refused), code ``rate_limit_exceeded``, with ``Retry-After`` and the ``x-ratelimit-*``
+    headers (set by the caller)."""
+
+    status = 429
+    type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str = "requests", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.limit = limit  # requests, tokens or concurrent (the metric's label)
+
+    def envelope(self, request_id: str | None = None) -> dict[str, Any]:
+        out = super().envelope(request_id)
+        out["error"]["type"] = "tokens" if self.limit == "tokens" else "requests"
+        return out
 
 
 class NoCapacity(GatewayError):

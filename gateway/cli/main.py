@@ -113,6 +113,13 @@ def serve(
             envvar="SPECGATE_API_KEYS_FILE", help="File with one client API key per line (or SPECGATE_API_KEYS)."
         ),
     ] = None,
+    tenants_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SPECGATE_TENANTS_FILE",
+            help="Tenants YAML: each tenant's client keys, priority, share weight and limits (docs/tenants.md).",
+        ),
+    ] = None,
     health_interval_s: Annotated[
         float, typer.Option("--health-interval", envvar="SPECGATE_HEALTH_INTERVAL_S", help="Seconds between checks.")
     ] = 5.0,
@@ -185,6 +192,7 @@ def serve(
             idempotency_memory_bytes=idempotency_memory_bytes,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
+            tenants_file=tenants_file,
             metrics_token=os.environ.get("SPECGATE_METRICS_TOKEN", "").strip() or None,  # environment only
             health_interval_s=health_interval_s,
             health_timeout_s=health_timeout_s,

@@ -338,6 +338,12 @@ class Pool(Strict):
         "a busy endpoint from a broken one. Unset: no admission bound for the pool.",
     )
     admission: Admission = Field(default_factory=Admission, description="Admission control (load shedding).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="The pool's vLLM --scheduling-policy. priority: the gateway sets each request's body `priority` "
+        "to its tenant's (tenants file; lower = served first); fcfs: the body's priority is left as the client "
+        "sent it.",
+    )
     prefix_affinity: PrefixAffinity | None = Field(
         None, description="Prefix-cache affinity of the endpoint pick in this pool (default: defaults.prefix_affinity)."
     )

@@ -69,6 +69,9 @@ class Settings:
     # every user of the machine could read in ``ps``). Kept out of repr.
     api_keys: str = field(default="", repr=False)
     api_keys_file: Path | None = None
+    # Tenants (gateway/config/tenants.py): who each client key belongs to, its priority, share weight and limits.
+    # A secret like the keys file (it holds keys), never in the routing YAML. None: no tenants, no limits.
+    tenants_file: Path | None = None
     # The bearer token that opens /metrics (SPECGATE_METRICS_TOKEN, environment only): for Prometheus, which then
     # needs no client key. None: /metrics follows the client keys (open without keys, a key with them).
     metrics_token: str | None = field(default=None, repr=False)
@@ -157,7 +160,7 @@ class Settings:
                     kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
                 elif f.name in ("per_worker_state", "tracing"):
                     kw[f.name] = _flag(raw)
-                elif f.name == "api_keys_file":
+                elif f.name in ("api_keys_file", "tenants_file"):
                     kw[f.name] = Path(raw)
                 else:
                     kw[f.name] = raw

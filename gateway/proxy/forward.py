@@ -167,6 +167,8 @@ class ProxyExchange:
                 if claim is not None:
                     self.job.record.idempotency, stored = claim.outcome()
                 self.job.record.finish(self.outcome, self.metrics, self.access_log)
+                if self.job.ticket is not None:
+                    self.job.ticket.finish(self.outcome, bool(self.job.record.attempts))
             finally:
                 if claim is not None:  # after the last byte went out: the client does not wait for it
                     await claim.settle(stored)
@@ -260,7 +262,13 @@ class ProxyExchange:
                 break
             if pool.name in full:
                 continue
-            if job.pinned is None and not policy.admits(pool):
+            # At the bound: with tenants, one at or under its fair share (or of a better priority) still gets in while
+            # another is above its share (gateway.routing.fairshare); else the pool is full.
+            if (
+                job.pinned is None
+                and not policy.admits(pool)
+                and (job.ticket is None or not job.ticket.admit_at_bound(pool.name, *policy.admission(pool)))
+            ):
                 full.append(pool.name)
                 continue
             if failures and failures[-1].backpressure and policy.busy(pool, ep):
@@ -288,6 +296,8 @@ class ProxyExchange:
                 rec.upstream_start = started
             ep.in_flight += 1
             metrics.pool_in_flight(pool.name).inc()
+            if job.ticket is not None:
+                job.ticket.enter(pool.name)
             if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt
                 metrics.prefix_sent(pool.name, ep.id, len(job.prompt), ep.prefixes.record(job.prompt))
             opened: Opened | None = None
@@ -314,6 +324,8 @@ class ProxyExchange:
                 if opened is None:
                     ep.in_flight -= 1
                     metrics.pool_in_flight(pool.name).dec()
+                    if job.ticket is not None:
+                        job.ticket.leave(pool.name)
                     if span is not None and rec.trace is not None:  # cancelled (the client left), or a bug
                         rec.trace.attempt_failed(span, None, "cancelled")
             status = opened.response.status
@@ -399,6 +411,14 @@ class ProxyExchange:
             raise
 
     def _request_body(self, pool: PoolState) -> tuple[bytes, str | None, bool]:
+        """The body of an attempt on ``pool`` (with the tenant's ``priority`` for a pool that schedules by it)."""
+        body, model, strip = self._pool_body(pool)
+        ticket = self.job.ticket
+        if ticket is not None and pool.spec.scheduling_policy == "priority":
+            body = orjson.dumps({**orjson.loads(body), "priority": ticket.priority})
+        return body, model, strip
+
+    def _pool_body(self, pool: PoolState) -> tuple[bytes, str | None, bool]:
         """The body of an attempt on ``pool``; the model it asks for when not the requested one (the class's
         ``route.fallback_model``); whether the gateway added the usage chunk to a stream (to strip it again)."""
         job = self.job
@@ -456,6 +476,8 @@ class ProxyExchange:
         self._last_send = True
         await send({"type": "http.response.body", "body": body})
         if resp.status == 200:
+            if self.job.ticket is not None and self.job.ticket.wants_usage:
+                self.job.ticket.observe(body)
             rec.cached_tokens = cached_tokens_of(body)
             if opened.pool.spec.kind == "speculative":
                 rec.spec = sample_from_body(body)
@@ -516,6 +538,10 @@ class ProxyExchange:
                 events = events[: i + 1]
                 done = True
                 break
+        ticket = self.job.ticket
+        if ticket is not None and ticket.wants_usage:  # before the tap strips the usage chunk
+            for event in events:
+                ticket.observe(event)
         trace = self.job.record.trace
         if trace is not None:  # before the tap strips a usage chunk the client did not ask for
             for event in events:
@@ -537,3 +563,5 @@ class ProxyExchange:
         opened.response.abort()
         opened.endpoint.in_flight -= 1
         self.metrics.pool_in_flight(opened.pool.name).dec()
+        if self.job.ticket is not None:
+            self.job.ticket.leave(opened.pool.name)

@@ -46,6 +46,7 @@ from gateway.routing.decision import Decision, decide
 from gateway.routing.plan import Plan
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
+from gateway.runtime.tenants import PRIORITY_HEADER, TenantState, Ticket
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,16 @@ class ProxyRoute:
 
 # The request headers ``admit`` reads, found in one pass over the raw list (first value; every Idempotency-Key).
 _WANTED = frozenset(
-    {"x-request-id", "authorization", "content-length", TASK_HEADER, KEY_HEADER, "traceparent", "tracestate"}
+    {
+        "x-request-id",
+        "authorization",
+        "content-length",
+        TASK_HEADER,
+        KEY_HEADER,
+        "traceparent",
+        "tracestate",
+        PRIORITY_HEADER,
+    }
 )
 
 
@@ -121,8 +131,14 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         )
         extra.append((TRACE_ID_HEADER, trace.trace_id))
     claim: KeyClaim | None = None
+    tenant: TenantState | None = None
+    ticket: Ticket | None = None
     try:
-        rt.authenticate(hdr.get("authorization"))
+        if rt.tenancy is None:
+            rt.authenticate(hdr.get("authorization"))
+        else:  # tenants configured: the key names its tenant
+            tenant = rt.tenancy.identify(hdr.get("authorization"))
+            rec.tenant = tenant.name
         idempotency_key = parse_key(keys)
         raw = await read_body(receive, rt.settings.max_body_bytes, hdr.get("content-length"))
         body = parse_object(raw)
@@ -149,28 +165,35 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
             raise BadRequest(
                 f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
             )
-        tenant = tenant_scope(hdr.get("authorization")) if idempotency_key is not None else b"anonymous"
+        scope_key = tenant_scope(hdr.get("authorization")) if idempotency_key is not None else b"anonymous"
         if idempotency_key is not None:  # before the capacity check: a replay needs no pool
             got = await begin(
                 rt.store,
                 live.rules.idempotency,
                 rt.metrics,
-                key=store_key(tenant, idempotency_key),
+                key=store_key(scope_key, idempotency_key),
                 fingerprint=fingerprint(scope["method"], path, body),
                 record=rec,
             )
             if isinstance(got, Replay):
                 return _replay(rt, got, rec)
             claim = got
+        if tenant is not None and rt.tenancy is not None:  # the tenant's limits (a replay above is free)
+            ticket = await _take_ticket(rt, tenant, hdr.get(PRIORITY_HEADER), d, len(raw))
+            extra += ticket.headers
         if plan.empty:
             raise plan.unavailable()
     except GatewayError as exc:
         await _release(claim, rec)
+        if ticket is not None:
+            ticket.finish(outcome_for(exc.status), False)
         return _refused(rt, exc, rec, extra)
     except ClientDisconnect:
         rec.finish("client_disconnect", rt.metrics, rt.access_log)
         raise
     except Exception:
+        if ticket is not None:
+            ticket.finish("gateway_error", False)
         await _release(claim, rec)
         rec.status, rec.error = 500, "internal error in the gateway"
         rec.finish("gateway_error", rt.metrics, rt.access_log)
@@ -201,10 +224,24 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         on_answer=sticky.on_answer,
         forwarded_for=forwarded_for(_client_addr(scope), client_headers, rt.trusted_proxies),
         detached=rt.detached,
-        tenant=tenant,
+        tenant=scope_key,
         prompt=prompt,
+        ticket=ticket,
     )
     return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+
+
+async def _take_ticket(rt: Runtime, tenant: TenantState, header: str | None, d: Decision, size: int) -> Ticket:
+    """The tenant's priority for this request, and its admission under the tenant's limits (raises 429)."""
+    tenancy = rt.tenancy
+    assert tenancy is not None
+    priority = tenancy.priority_of(tenant, header)
+    f = d.features
+    if f is not None:
+        cost = tenancy.reservation(tenant, f.prompt_tokens, f.max_tokens, f.n)
+    else:  # not classified (embeddings): about four bytes a token, nothing generated
+        cost = tenancy.reservation(tenant, size // 4, 0.0, 1)
+    return await tenancy.admit(tenant, priority, cost)
 
 
 def _affinity_on(pools: Mapping[str, PoolState], planned: tuple[str, ...]) -> bool:

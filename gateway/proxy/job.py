@@ -16,6 +16,7 @@ from gateway.proxy.stream_tap import StreamTap
 from gateway.proxy.wire import SSESplitter
 from gateway.routing.plan import Plan
 from gateway.runtime.detached import DetachedBudget
+from gateway.runtime.tenants import Ticket
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class ProxyJob:
     detached: DetachedBudget | None = None  # keyed: may it run on after its client left (None: always)
     tenant: bytes = b"anonymous"  # the client's scope in ``detached``
     prompt: tuple[int, ...] = ()  # the prompt's chunk hashes (gateway.routing.prompt_key), for prefix affinity
+    ticket: Ticket | None = None  # the tenant's admission (tenants configured only): fair share, priority, usage
 
 
 @dataclass(slots=True)

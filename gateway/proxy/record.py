@@ -63,6 +63,7 @@ class RequestRecord:
     spec: SpecSample | None = None  # the pool's per-request spec-decode metrics, when it returned them
     idempotency: str | None = None  # gateway.proxy.idempotency.Result, for requests with an Idempotency-Key
     cached_tokens: int | None = None  # prompt tokens the pool found in its prefix cache, when its usage said so
+    tenant: str | None = None  # the tenant of its key (tenants configured only)
     trace: RequestTrace | None = None  # the request's spans when tracing is on (gateway.observability.tracing)
     _finished: bool = False
 
@@ -133,6 +134,8 @@ class RequestRecord:
                 line["error"] = self.error
             if self.idempotency is not None:
                 line["idempotency"] = self.idempotency
+            if self.tenant is not None:
+                line["tenant"] = self.tenant
             if trace is not None:
                 line["trace_id"] = trace.trace_id
             access_log.write(line)

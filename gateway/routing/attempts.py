@@ -299,6 +299,10 @@ class AttemptPolicy:
     def admits(self, pool: PoolState) -> bool:
         return overload.admits(pool, self._split())
 
+    def admission(self, pool: PoolState) -> tuple[int, int | None]:
+        """The pool's requests in flight against its admission bound, and the bound."""
+        return overload.load(pool, self._split())
+
     def busy(self, pool: PoolState, ep: EndpointState) -> bool:
         """After a back-pressure failure: ``ep`` is busy too (or its pool admits no more), so not worth trying."""
         return not self.admits(pool) or overload.endpoint_busy(ep, pool.spec, self.clock(), workers=self._split())

@@ -67,6 +67,12 @@ def admits(pool: PoolState, workers: int = 1) -> bool:
     return limit is None or pool.in_flight + sum(e.remote_in_flight for e in pool.endpoints) < limit
 
 
+def load(pool: PoolState, workers: int = 1) -> tuple[int, int | None]:
+    """The requests in flight to the pool that count against its admission bound, and the bound (None: none)."""
+    limit = admission_limit(pool.spec, sum(1 for e in pool.endpoints if e.routable), workers)
+    return pool.in_flight + sum(e.remote_in_flight for e in pool.endpoints), limit
+
+
 def endpoint_busy(ep: EndpointState, spec: PoolSpec, now: float, *, workers: int = 1, own: int = 0) -> bool:
     """The endpoint is busy: vLLM's queue was not empty at the last fresh scrape, or this process's other requests
     on it (``own``: this request's share of ``ep.in_flight``) fill its batch (``max_num_seqs``, split over the

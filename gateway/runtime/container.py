@@ -21,12 +21,14 @@ from gateway.cluster import snapshot as cluster_snapshot
 from gateway.cluster.node import ClusterNode, Contribution, connect, replica_id
 from gateway.config.loader import load_rules_text
 from gateway.config.settings import Settings
+from gateway.config.tenants import load_tenants_file
 from gateway.errors import GatewayError, Unauthorized
 from gateway.fleet.health import HealthChecker
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.vllm_metrics import PoolLoad
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.observability.tracing import Tracing
 from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.overrides.manager import Override, OverrideManager
@@ -39,9 +41,11 @@ from gateway.routing.route_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult
+from gateway.runtime.tenants import Tenancy
 from gateway.runtime.workers import WorkerGroup
 from gateway.store.base import Store, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
+from gateway.store.ratelimit import MemoryRateLimiter, RateLimiter, RedisRateLimiter
 
 logger = logging.getLogger("specgate")
 
@@ -71,6 +75,20 @@ class Runtime:
         self.trusted_proxies = settings.trusted_proxy_networks()  # whose X-Forwarded-For is kept (proxy.headers)
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
+        # Tenants (--tenants-file): their keys, limits, priority and share weight. None: none of that is done.
+        self.tenancy: Tenancy | None = None
+        if settings.tenants_file is not None:
+            limiter: RateLimiter = (
+                RedisRateLimiter.from_url(settings.redis_url) if settings.redis_url else MemoryRateLimiter()
+            )
+            self.tenancy = Tenancy(
+                load_tenants_file(settings.tenants_file),
+                keys,
+                TenantMetrics(self.metrics.registry),
+                limiter,
+                settings.workers,
+            )
+            self._key_digests = self.tenancy.key_digests
         token = (settings.metrics_token or "").strip()
         self._metrics_digest = hashlib.sha256(token.encode()).digest() if token else None
         self.health = HealthChecker(
@@ -387,6 +405,8 @@ class Runtime:
         await self.scraper.close()
         await self.store_health.close()
         await self.overrides.close()
+        if self.tenancy is not None:
+            await self.tenancy.close()
         for client in self.live.clients.values():
             await client.close()
         if self.tracing is not None:  # the spans still buffered go out (bounded by the exporter's timeout)
