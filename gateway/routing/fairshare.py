@@ -2,11 +2,12 @@
 
 Below the bound every request is admitted, first come first served. At the bound, a request is not simply shed:
 
-1. **priority**: a tenant with a better (lower) priority than some tenant holding requests in the pool is
-   admitted; the lower band is what gets shed;
-2. **weighted fair share**: each tenant with requests in the pool (and the arriving one) has a share of the bound
-   in proportion to its weight. A tenant at or under its share is admitted while another tenant is above its
-   share; a tenant above its share is shed.
+1. **priority bands**: a request of a better (lower) priority than some tenant holding requests in the pool is
+   admitted: the worse band is what gets shed. A request never gets in past the bound over a better band;
+2. **weighted fair share within a band**: each tenant of the request's priority with requests in the pool (and
+   the arriving one) has a share of what the better bands leave of the bound, in proportion to its weight. A
+   tenant at or under its share is admitted while another tenant of its band is above its share; a tenant above
+   its share is shed.
 
 Admitting at the bound takes the pool over it: nothing running is preempted. The tenants above their share get no
 more requests in, so the pool comes back under the bound as theirs finish. The overshoot is bounded: only tenants
@@ -53,11 +54,14 @@ def admit_at_bound(
     if known is None:
         return False
     mine = known if priority is None else TenantWeight(known.weight, priority)
-    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants}
+    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
     if any(t.priority > mine.priority for t in active.values()):
-        return True
-    active[tenant] = mine
-    shares = fair_shares(bound, active)
+        return True  # a worse band holds requests here: it is the one to shed
+    # Shares within the request's band, of what the better bands leave of the bound.
+    better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
+    band = {name: t for name, t in active.items() if t.priority == mine.priority}
+    band[tenant] = mine
+    shares = fair_shares(max(0, bound - better), band)
     if counts.get(tenant, 0) + 1 > math.ceil(shares[tenant]):
         return False  # above its share with this request: shed it
-    return any(counts.get(name, 0) > shares[name] for name in active if name != tenant)
+    return any(counts.get(name, 0) > shares[name] for name in band if name != tenant)
