@@ -19,7 +19,8 @@ def test_a_tenants_file_loads_with_its_defaults() -> None:
     )
     (t,) = got.tenants
     assert (t.name, t.priority, t.weight, t.allow_priority_header) == ("search", 0, 1.0, False)
-    assert t.limits.requests_per_minute == 10 and t.limits.tokens_per_minute is None
+    assert t.limits.requests_per_minute == 10
+    assert t.limits.tokens_per_minute is None
     assert t.limited
 
 
@@ -73,16 +74,22 @@ def test_gcra_tokens_refuse_first_then_the_correction_gives_back() -> None:
     now = [0.0]
     limiter = MemoryRateLimiter(clock=lambda: now[0])
     v = asyncio.run(limiter.acquire("a", 100, 1000, 900))
-    assert v.allowed and v.tokens is not None and v.tokens.remaining == 100
+    assert v.allowed
+    assert v.tokens is not None
+    assert v.tokens.remaining == 100
     v = asyncio.run(limiter.acquire("a", 100, 1000, 200))
     assert (v.allowed, v.refused_by) == (False, "tokens")
     assert v.retry_after_s == pytest.approx(6.0)  # 100 tokens short at 1000 / 60 s
-    assert v.requests is not None and v.requests.remaining == 99  # a refused request is not charged
+    assert v.requests is not None
+    assert v.requests.remaining == 99
     asyncio.run(limiter.adjust("a", 1000, -880))  # it used 20
     v = asyncio.run(limiter.acquire("a", 100, 1000, 200))
-    assert v.allowed and v.tokens is not None and v.tokens.remaining == 780
+    assert v.allowed
+    assert v.tokens is not None
+    assert v.tokens.remaining == 780
     never = asyncio.run(limiter.acquire("a", None, 1000, 1001))
-    assert never.never and not never.allowed
+    assert never.never
+    assert not never.allowed
 
 
 @pytest.mark.parametrize(
