@@ -40,6 +40,7 @@ from typing import Any
 
 from gateway.admin.protocol import EXPLAIN_DEFAULT_PATH
 from gateway.config.schema import Route, TrafficClass
+from gateway.config.tenants import NO_TENANT
 from gateway.errors import InvalidParameter
 from gateway.fleet.affinity import assess
 from gateway.fleet.pools import PoolState
@@ -48,6 +49,7 @@ from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
+from gateway.routing.fairshare import fair_shares
 from gateway.routing.plan import Plan, is_saturated
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
@@ -63,6 +65,7 @@ ENDPOINTS: Mapping[str, Endpoint | None] = MappingProxyType(
     }
 )
 DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
+TENANT_HEADER = "x-specgate-tenant"  # explain only: the tenant to explain for (the admin request has no client key)
 
 
 def endpoint_for(path: str) -> Endpoint | None:
@@ -242,6 +245,46 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
         "prefix_affinity": None if endpoint is None else _affinity(live, d.plan, prompt_chunks(endpoint, body)),
         "config": {"source": live.source, "digest": live.digest},
         "stateful": _stateful(endpoint, body),
+        "tenant": _tenant(rt, headers, d.plan.pools),
+    }
+
+
+def _tenant(rt: Runtime, headers: Mapping[str, str], pools: tuple[str, ...]) -> dict[str, Any] | None:
+    """The tenant named by ``x-specgate-tenant`` (default: keys without a tenant): its settings, its requests in
+    flight, and in each planned pool the requests per tenant against its fair share of the bound (tenants only)."""
+    tenancy = rt.tenancy
+    if tenancy is None:
+        return None
+    name = next((v.strip() for k, v in headers.items() if k.lower() == TENANT_HEADER), NO_TENANT)
+    state = tenancy.tenants.get(name)
+    if state is None:
+        return {"name": name, "known": False, "tenants": sorted(tenancy.tenants)}
+    spec = state.spec
+    weight = tenancy.weights[name]
+    shares: dict[str, Any] = {}
+    for pool_name in pools:
+        pool = rt.live.pools.get(pool_name)
+        if pool is None:
+            continue
+        in_flight, bound = rt.attempts.admission(pool)
+        counts = dict(tenancy.pool_counts.get(pool_name, {}))
+        band = {n: tenancy.weights[n] for n, c in counts.items() if c > 0 and n in tenancy.weights}
+        band[name] = weight
+        band = {n: w for n, w in band.items() if w.priority == weight.priority}
+        better = sum(
+            c for n, c in counts.items() if n in tenancy.weights and tenancy.weights[n].priority < weight.priority
+        )
+        share = None if bound is None else fair_shares(max(0, bound - better), band)[name]
+        shares[pool_name] = {"in_flight": in_flight, "bound": bound, "by_tenant": counts, "share": share}
+    return {
+        "name": name,
+        "known": True,
+        "priority": weight.priority,
+        "weight": weight.weight,
+        "allow_priority_header": spec is not None and spec.allow_priority_header,
+        "limits": None if spec is None else spec.limits.model_dump(),
+        "in_flight": state.in_flight,
+        "pools": shares,
     }
 
 

@@ -407,6 +407,33 @@ def bench_controller_cmd(
     out.print(render(run, spec_pools), highlight=False, soft_wrap=True)
 
 
+@bench_app.command("tenants")
+def bench_tenants_cmd(
+    duration: Annotated[float, typer.Option(help="Seconds of each phase (alone, then with the flood).")] = 20.0,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of the simulated server.")] = 16,
+    output_len: Annotated[int, typer.Option(help="Median answer length of the simulated server (tokens).")] = 64,
+    time_scale: Annotated[float, typer.Option(help="Simulator clock (0.1 = ten times faster than real).")] = 1.0,
+    high_priority: Annotated[
+        bool, typer.Option("--high-priority", help="Add a tenant of a better priority at 10% of capacity.")
+    ] = False,
+) -> None:
+    """Tenants on a simulated pool: one flooding at 5x capacity, one steady at 20%: sent, ok, shed, limited,
+    p50/p99 per tenant, and the steady tenant's p99 with the flood against alone."""
+    from gateway.bench.tenants import bench_tenants, render
+
+    try:
+        run = bench_tenants(
+            duration_s=duration,
+            max_num_seqs=max_num_seqs,
+            output_len=output_len,
+            time_scale=time_scale,
+            high_priority=high_priority,
+        )
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print(render(run), highlight=False, soft_wrap=True)
+
+
 @bench_app.command("cluster")
 def bench_cluster_cmd(
     replicas: Annotated[int, typer.Option(help="Gateway replicas (in one process, sharing a private Redis).")] = 4,

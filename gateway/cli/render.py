@@ -40,6 +40,19 @@ def _roles(route: dict[str, Any] | None) -> dict[str, str]:
     return roles
 
 
+def _tenant_line(t: dict[str, Any]) -> str:
+    if not t.get("known"):
+        return f"{t.get('name')}: not a tenant of the tenants file (known: {', '.join(t.get('tenants') or [])})"
+    limits = {k: v for k, v in (t.get("limits") or {}).items() if v is not None and k != "reserve_output_tokens"}
+    text = f"{t['name']}: priority {t.get('priority')}, weight {cell(t.get('weight'))}, {t.get('in_flight')} in flight"
+    text += ", limits " + (", ".join(f"{k} {v}" for k, v in limits.items()) or "none")
+    for pool, p in (t.get("pools") or {}).items():
+        mine = (p.get("by_tenant") or {}).get(t["name"], 0)
+        share = cell(p.get("share"), digits=1)
+        text += f"; {pool}: {mine} of its share {share} ({p.get('in_flight')}/{p.get('bound')})"
+    return text
+
+
 def _header_lines(data: dict[str, Any]) -> list[str]:
     tc = data.get("traffic_class") or {}
     route = tc.get("route")
@@ -66,6 +79,9 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
                 f"tools {cell(f.get('tools'))}"
             )
         )
+    tenant = data.get("tenant")
+    if tenant:
+        lines.append("[bold]tenant[/] " + escape(_tenant_line(tenant)))
     ctl, choice = data.get("controller"), data.get("choice")
     if ctl:
         share = (choice or {}).get("share", ctl.get("share"))

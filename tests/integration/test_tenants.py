@@ -16,6 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admin.explain import explain
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, RedisServer, ServerThread
 from tests.integration.test_overload import one_pool_rules, wait_for
@@ -166,6 +167,11 @@ def test_a_full_pool_sheds_the_tenant_above_its_share(fake: Fake, gateway: Gatew
     for t in threads:
         t.start()
     assert wait_for(lambda: std.state.stats()["in_flight"] == 2)
+    # explain: the flood holds the pool, above its share of 1 (of 2) once steady counts too.
+    why = explain(gw.app.runtime, "/v1/chat/completions", CHAT, {"X-Specgate-Tenant": "flood"})["tenant"]
+    assert (why["name"], why["in_flight"]) == ("flood", 2)
+    assert why["pools"]["std"]["by_tenant"] == {"flood": 2}
+    assert why["pools"]["std"]["bound"] == 2
     shed = post(gw, "sk-flood-00001")
     assert shed.status_code == 503
     assert shed.json()["error"]["code"] == "overloaded"
