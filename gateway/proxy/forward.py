@@ -262,13 +262,7 @@ class ProxyExchange:
                 break
             if pool.name in full:
                 continue
-            # At the bound: with tenants, one at or under its fair share (or of a better priority) still gets in while
-            # another is above its share (gateway.routing.fairshare); else the pool is full.
-            if (
-                job.pinned is None
-                and not policy.admits(pool)
-                and (job.ticket is None or not job.ticket.admit_at_bound(pool.name, *policy.admission(pool)))
-            ):
+            if job.pinned is None and not self._admitted(pool):
                 full.append(pool.name)
                 continue
             if failures and failures[-1].backpressure and policy.busy(pool, ep):
@@ -337,6 +331,20 @@ class ProxyExchange:
             policy.answered(ep, status, self.pools.values())
             return opened
         raise policy.gave_up(failures, full)
+
+    def _admitted(self, pool: PoolState) -> bool:
+        """Admission control. With tenants (gateway.routing.fairshare): at the bound, a tenant at or under its fair
+        share (or of a better priority) still gets in while another is above its share; below it, a tenant above its
+        share leaves the last free slots to the others."""
+        ticket, policy = self.job.ticket, self.policy
+        if ticket is None:
+            return policy.admits(pool)
+        in_flight, bound = policy.admission(pool)
+        if bound is None:
+            return True
+        if in_flight >= bound:
+            return ticket.admit_at_bound(pool.name, in_flight, bound)
+        return not ticket.holds_back(pool.name, in_flight, bound)
 
     async def _attempt(self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]) -> Opened:
         """One attempt up to the commit point: headers, and for a stream its first whole event.

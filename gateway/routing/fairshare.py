@@ -13,6 +13,12 @@ Admitting at the bound takes the pool over it: nothing running is preempted. The
 more requests in, so the pool comes back under the bound as theirs finish. The overshoot is bounded: only tenants
 under their share get in past the bound, so in-flight stays under ``2 x bound`` (a hard cap here as well).
 
+Just below the bound (``hold_back``), a request leaves the last free slots to the others: one for each tenant of
+a better priority holding requests in the pool and, when its own tenant is above its share, one for each tenant of
+its band under its share. Without that, a flood refills every slot the moment it frees, and every request of the
+other tenants arrives at a full pool and waits in vLLM's queue past the bound; with it, their next request finds a
+free slot of the batch. It costs at most one slot per other tenant present, and only while one is present.
+
 Pure: plain numbers in, a decision out.
 """
 
@@ -65,3 +71,34 @@ def admit_at_bound(
     if counts.get(tenant, 0) + 1 > math.ceil(shares[tenant]):
         return False  # above its share with this request: shed it
     return any(counts.get(name, 0) > shares[name] for name in band if name != tenant)
+
+
+def hold_back(
+    tenant: str,
+    counts: Mapping[str, int],
+    tenants: Mapping[str, TenantWeight],
+    bound: int,
+    in_flight: int,
+    priority: int | None = None,
+) -> bool:
+    """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? One slot is kept
+    free for each tenant of a better priority holding requests in the pool and, when ``tenant`` is above its share,
+    for each tenant of its band under its share: their next request then finds a free slot of the batch instead of
+    waiting in vLLM's queue past the bound."""
+    if in_flight + len(counts) < bound:
+        return False  # more free slots than there are other tenants: nothing to keep
+    known = tenants.get(tenant)
+    if known is None:
+        return False
+    mine = known if priority is None else TenantWeight(known.weight, priority)
+    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
+    if not active:
+        return False
+    better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
+    band = {name: t for name, t in active.items() if t.priority == mine.priority}
+    band[tenant] = mine
+    shares = fair_shares(max(0, bound - better), band)
+    keep = sum(1 for t in active.values() if t.priority < mine.priority)
+    if counts.get(tenant, 0) + 1 > shares[tenant]:  # above its share: the band's tenants under theirs keep one too
+        keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
+    return in_flight + keep >= bound

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFile
 from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.tenant_metrics import TenantMetrics
-from gateway.routing.fairshare import TenantWeight, admit_at_bound
+from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
@@ -115,6 +115,14 @@ class Ticket:
             return False
         counts = self.tenancy.pool_counts.get(pool, {})
         return admit_at_bound(self.tenant.name, counts, self.tenancy.weights, bound, in_flight, self.priority)
+
+    def holds_back(self, pool: str, in_flight: int, bound: int | None) -> bool:
+        """Below the bound: this request leaves the last free slots to the other tenants
+        (``gateway.routing.fairshare.hold_back``)."""
+        counts = self.tenancy.pool_counts.get(pool)
+        if bound is None or not counts:
+            return False
+        return hold_back(self.tenant.name, counts, self.tenancy.weights, bound, in_flight, self.priority)
 
     def observe(self, data: bytes) -> None:
         """A body or event of the answer: keep the usage it reports (tenants with a tokens limit only)."""

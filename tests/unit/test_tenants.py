@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.config.tenants import TenantsError, load_tenants_text
-from gateway.routing.fairshare import TenantWeight, admit_at_bound
+from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back
 from gateway.runtime.tenants import format_reset, usage_tokens
 from gateway.store.ratelimit import MemoryRateLimiter
 
@@ -129,3 +129,14 @@ def test_a_better_priority_gets_in_over_a_worse_one() -> None:
     # Within a band, the shares are of what the better band leaves: 4 of 8 here, 2 each for flood and steady.
     assert admit_at_bound("steady", {"gold": 4, "flood": 4}, W, bound=8, in_flight=8)
     assert not admit_at_bound("steady", {"gold": 4, "flood": 2, "steady": 2}, W, bound=8, in_flight=8)
+
+
+def test_below_the_bound_a_tenant_above_its_share_leaves_a_slot_to_each_other_tenant() -> None:
+    # Bound 16; steady holds 3 (under its share of 8), flood 12: flood may not take the 16th slot, nor the 15th.
+    assert not hold_back("flood", {"flood": 11, "steady": 3}, W, bound=16, in_flight=14)
+    assert hold_back("flood", {"flood": 12, "steady": 3}, W, bound=16, in_flight=15)
+    assert not hold_back("steady", {"flood": 12, "steady": 3}, W, bound=16, in_flight=15)  # within its share
+    assert not hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15)  # nobody else is there
+    # A better band always keeps its slot; a worse one does not get one.
+    assert hold_back("flood", {"flood": 13, "gold": 2}, W, bound=16, in_flight=15)
+    assert not hold_back("gold", {"gold": 13, "flood": 2}, W, bound=16, in_flight=15)
