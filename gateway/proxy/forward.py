@@ -342,9 +342,10 @@ class ProxyExchange:
         in_flight, bound = policy.admission(pool)
         if bound is None:
             return True
-        if in_flight >= bound:
-            return ticket.admit_at_bound(pool.name, in_flight, bound)
-        return not ticket.holds_back(pool.name, in_flight, bound)
+        if in_flight < bound and not ticket.holds_back(pool.name, in_flight, bound):
+            return True
+        # At the bound, or held back from the last free slots: never worse off than at the bound.
+        return ticket.admit_at_bound(pool.name, in_flight, bound)
 
     async def _attempt(self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]) -> Opened:
         """One attempt up to the commit point: headers, and for a stream its first whole event.

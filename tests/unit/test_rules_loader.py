@@ -168,6 +168,7 @@ def test_schema_and_duplicate_key_issues_are_reported_together() -> None:
         'pools[0].kind: duplicate key "kind" (first on line 3) (line 4)',
         'pools[0].colour: unknown field "colour" (allowed: name, kind, speculative, models, endpoints, '
         "api_key_env, timeouts, max_connections, max_response_bytes, max_event_bytes, max_num_seqs, admission, "
+        "scheduling_policy, "
         "prefix_affinity) (line 5)",
     ]
 
