@@ -10,6 +10,9 @@ Starts one simulated vLLM server (``specgate sim``, ``--max-num-seqs`` M) and th
    of that through over the phase: a burst of 2.5 C x the phase, then its refill), and
    with ``--high-priority`` a third tenant of a better priority at 0.1 C.
 
+The steady tenant has share weight 2 by default (``--steady-weight``): with equal weights its fair share is half
+the bound, and its Poisson bursts at 20% of capacity reach that now and then, when it is shed as the rule says.
+
 Per tenant and phase: sent, ok, shed (503), limited (429), p50 / p99 of the end-to-end latency of its successful
 requests; and the steady tenant's p99 with the flood over its p99 alone. The target: at most 1.5x, none of the
 steady tenant's requests shed or limited, the flood both shed and limited.
@@ -52,6 +55,7 @@ class TenantResult:
     other: int = 0
     latencies: list[float] = field(default_factory=list)
     codes: dict[str, int] = field(default_factory=dict)  # the error codes of the refused requests
+    examples: dict[str, str] = field(default_factory=dict)  # the first message of each code
 
     def quantile(self, q: float) -> float | None:
         if not self.latencies:
@@ -69,6 +73,7 @@ class TenantsRun:
     max_num_seqs: int
     duration_s: float
     priority: bool = False  # the simulator ran --scheduling-policy priority
+    steady_weight: float = 2.0
 
     def steady_ratio(self) -> float | None:
         a, b = self.alone["steady"].quantile(0.99), self.flood["steady"].quantile(0.99)
@@ -94,11 +99,11 @@ class TenantsRun:
         return out
 
 
-def tenants_yaml(flood_rpm: int) -> dict[str, Any]:
+def tenants_yaml(flood_rpm: int, steady_weight: float = 2.0) -> dict[str, Any]:
     return {
         "tenants": [
             {"name": "flood", "keys": [KEYS["flood"]], "limits": {"requests_per_minute": flood_rpm}},
-            {"name": "steady", "keys": [KEYS["steady"]]},
+            {"name": "steady", "keys": [KEYS["steady"]], "weight": steady_weight},
             {"name": "gold", "keys": [KEYS["gold"]], "priority": -1},
             {"name": "probe", "keys": [KEYS["probe"]]},
         ]
@@ -144,9 +149,12 @@ async def _one(session: aiohttp.ClientSession, url: str, key: str, max_tokens: i
             status = r.status
             if status != 200:
                 code = str(status)
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
-                    code = f"{status} {json.loads(raw)['error']['code']}"
+                message = ""
+                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+                    err = json.loads(raw)["error"]
+                    code, message = f"{status} {err['code']}", str(err["message"])
                 res.codes[code] = res.codes.get(code, 0) + 1
+                res.examples.setdefault(code, message[:160])
     except (aiohttp.ClientError, TimeoutError):
         res.other += 1
         return
@@ -210,6 +218,7 @@ def bench_tenants(
     output_len: int = 64,
     time_scale: float = 1.0,
     high_priority: bool = False,
+    steady_weight: float = 2.0,
     seed: int = 7,
 ) -> TenantsRun:
     sim_port, gw_port = free_port(), free_port()
@@ -229,7 +238,7 @@ def bench_tenants(
             max_tokens = output_len * 2
 
             def start_gateway(flood_rpm: int) -> subprocess.Popen[bytes]:
-                tenants.write_text(yaml.safe_dump(tenants_yaml(flood_rpm), sort_keys=False))
+                tenants.write_text(yaml.safe_dump(tenants_yaml(flood_rpm, steady_weight), sort_keys=False))
                 cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--port", str(gw_port)]
                 cmd += ["--host", "127.0.0.1", "--tenants-file", str(tenants), "--log-level", "warning"]
                 cmd += ["--admin-port", "0", "--health-interval", "0.5"]
@@ -260,7 +269,7 @@ def bench_tenants(
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-    return TenantsRun(capacity, alone, flood, flood_rpm, max_num_seqs, duration_s, priority)
+    return TenantsRun(capacity, alone, flood, flood_rpm, max_num_seqs, duration_s, priority, steady_weight)
 
 
 def _ms(x: float | None) -> str:
@@ -271,7 +280,8 @@ def render(run: TenantsRun) -> str:
     lines = [
         f"pool: 1 simulated endpoint, max_num_seqs {run.max_num_seqs} (admission bound {run.max_num_seqs}); "
         f"capacity {run.capacity_rps:.1f} req/s; flood limited to {run.flood_rpm} requests/min; "
-        f"{run.duration_s:g} s per phase; vLLM scheduling: {'priority' if run.priority else 'fcfs'}",
+        f"{run.duration_s:g} s per phase; vLLM scheduling: {'priority' if run.priority else 'fcfs'}; "
+        f"weights: steady {run.steady_weight:g}, flood 1, gold 1 (priority -1)",
         "",
         f"{'phase':<7} {'tenant':<7} {'rate/s':>7} {'sent':>6} {'ok':>6} {'shed':>6} {'limited':>8} "
         f"{'p50 ms':>7} {'p99 ms':>7}",
@@ -285,9 +295,8 @@ def render(run: TenantsRun) -> str:
             )
     for phase, results in (("alone", run.alone), ("flood", run.flood)):
         for name, r in results.items():
-            if r.codes:
-                shown = ", ".join(f"{k}: {v}" for k, v in sorted(r.codes.items()))
-                lines.append(f"{phase} {name} refused: {shown}")
+            for code, n in sorted(r.codes.items()):
+                lines.append(f"{phase} {name} refused {n}x {code}: {r.examples.get(code, '')}")
     ratio = run.steady_ratio()
     lines += ["", f"steady p99 with the flood / alone: {'-' if ratio is None else f'{ratio:.2f}x'} (target <= 1.5x)"]
     problems = run.problems()

@@ -416,6 +416,7 @@ def bench_tenants_cmd(
     high_priority: Annotated[
         bool, typer.Option("--high-priority", help="Add a tenant of a better priority at 10% of capacity.")
     ] = False,
+    steady_weight: Annotated[float, typer.Option(help="Share weight of the steady tenant (the flood's is 1).")] = 2.0,
 ) -> None:
     """Tenants on a simulated pool: one flooding at 5x capacity, one steady at 20%: sent, ok, shed, limited,
     p50/p99 per tenant, and the steady tenant's p99 with the flood against alone."""
@@ -428,6 +429,7 @@ def bench_tenants_cmd(
             output_len=output_len,
             time_scale=time_scale,
             high_priority=high_priority,
+            steady_weight=steady_weight,
         )
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc

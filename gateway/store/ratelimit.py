@@ -215,4 +215,8 @@ class RedisRateLimiter:
             raise StoreUnavailable(f"redis rate limit failed ({self._where}): {type(exc).__name__}") from exc
 
     async def close(self) -> None:
-        await self._client.aclose()
+        try:
+            await self._client.aclose()
+            await self._client.connection_pool.aclose()
+        except (RedisError, OSError):  # closing a dead connection: nothing left to do
+            pass
