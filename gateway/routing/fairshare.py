@@ -13,9 +13,9 @@ Admitting at the bound takes the pool over it: nothing running is preempted. The
 more requests in, so the pool comes back under the bound as theirs finish. The overshoot is bounded: only tenants
 under their share get in past the bound, so in-flight stays under ``2 x bound`` (a hard cap here as well).
 
-Just below the bound (``hold_back``), a request leaves the last free slots to the others: one for each tenant of
-a better priority holding requests in the pool and, when its own tenant is above its share, one for each tenant of
-its band under its share. Without that, a flood refills every slot the moment it frees, and every request of the
+Just below the bound (``hold_back``), a request of a tenant above its share leaves the last free slots to the
+others: one for each tenant of a better priority holding requests in the pool and one for each tenant of its band
+under its share. Without that, a flood refills every slot the moment it frees, and every request of the
 other tenants arrives at a full pool and waits in vLLM's queue past the bound; with it, their next request finds a
 free slot of the batch. It costs at most one slot per other tenant present, and only while one is present.
 
@@ -81,10 +81,10 @@ def hold_back(
     in_flight: int,
     priority: int | None = None,
 ) -> bool:
-    """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? One slot is kept
-    free for each tenant of a better priority holding requests in the pool and, when ``tenant`` is above its share,
-    for each tenant of its band under its share: their next request then finds a free slot of the batch instead of
-    waiting in vLLM's queue past the bound."""
+    """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? Only a tenant above
+    its share does: it keeps one slot free for each tenant of a better priority holding requests in the pool and for
+    each tenant of its band under its share, whose next request then finds a free slot of the batch instead of
+    waiting in vLLM's queue past the bound. A tenant within its share is never held back."""
     if in_flight + len(counts) < bound:
         return False  # more free slots than there are other tenants: nothing to keep
     known = tenants.get(tenant)
@@ -98,7 +98,8 @@ def hold_back(
     band = {name: t for name, t in active.items() if t.priority == mine.priority}
     band[tenant] = mine
     shares = fair_shares(max(0, bound - better), band)
+    if counts.get(tenant, 0) + 1 <= shares[tenant]:
+        return False  # within its share: it takes the slot
     keep = sum(1 for t in active.values() if t.priority < mine.priority)
-    if counts.get(tenant, 0) + 1 > shares[tenant]:  # above its share: the band's tenants under theirs keep one too
-        keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
+    keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
     return in_flight + keep >= bound
