@@ -142,4 +142,4 @@ def test_below_the_bound_a_tenant_above_its_share_leaves_a_slot_to_each_other_te
     assert not hold_back("flood", {"flood": 8, "steady": 3, "gold": 2}, W, bound=16, in_flight=13)
     assert not hold_back("gold", {"gold": 13, "flood": 2}, W, bound=16, in_flight=15)
     # Within its share a tenant is never held back, not even for a better band's slot.
-    assert not hold_back("steady", {"flood": 2, "steady": 4, "gold": 1}, W, bound=8, in_flight=7)
+    assert not hold_back("steady", {"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7)
