@@ -49,7 +49,7 @@ from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
-from gateway.routing.fairshare import fair_shares
+from gateway.routing.fairshare import share_of
 from gateway.routing.plan import Plan, is_saturated
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
@@ -268,13 +268,7 @@ def _tenant(rt: Runtime, headers: Mapping[str, str], pools: tuple[str, ...]) -> 
             continue
         in_flight, bound = rt.attempts.admission(pool)
         counts = dict(tenancy.pool_counts.get(pool_name, {}))
-        band = {n: tenancy.weights[n] for n, c in counts.items() if c > 0 and n in tenancy.weights}
-        band[name] = weight
-        band = {n: w for n, w in band.items() if w.priority == weight.priority}
-        better = sum(
-            c for n, c in counts.items() if n in tenancy.weights and tenancy.weights[n].priority < weight.priority
-        )
-        share = None if bound is None else fair_shares(max(0, bound - better), band)[name]
+        share = None if bound is None else share_of(name, counts, tenancy.weights, bound)
         shares[pool_name] = {"in_flight": in_flight, "bound": bound, "by_tenant": counts, "share": share}
     return {
         "name": name,

@@ -274,6 +274,12 @@ def _schemas() -> dict[str, Any]:
                 "store": {"type": "object", "description": "idempotency: the store's health; overrides: its sync"},
                 "audit": {"type": "object"},
                 "started_at": {"type": "number"},
+                "tenants": {
+                    "type": ["array", "null"],
+                    "items": {"type": "object"},
+                    "description": "with a tenants file: name, priority, weight, in_flight, shed and limited since "
+                    "start (this process), limits, and by pool its in_flight, fair share and the pool's bound",
+                },
                 "now": {"type": "number", "description": "the gateway's clock, epoch seconds"},
                 "admin": {
                     "type": "object",

@@ -103,3 +103,16 @@ def hold_back(
     keep = sum(1 for t in active.values() if t.priority < mine.priority)
     keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
     return in_flight + keep >= bound
+
+
+def share_of(tenant: str, counts: Mapping[str, int], tenants: Mapping[str, TenantWeight], bound: int) -> float | None:
+    """``tenant``'s fair share of a pool whose requests per tenant are ``counts``, as ``admit_at_bound`` reckons it
+    (its band's part of what the better bands leave). None for a tenant not in ``tenants``."""
+    mine = tenants.get(tenant)
+    if mine is None:
+        return None
+    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
+    better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
+    band = {name: t for name, t in active.items() if t.priority == mine.priority}
+    band[tenant] = mine
+    return fair_shares(max(0, bound - better), band)[tenant]

@@ -14,12 +14,14 @@ import hashlib
 import logging
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFile
 from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.tenant_metrics import TenantMetrics
-from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back
+from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
@@ -67,6 +69,8 @@ class TenantState:
     spec: Tenant | None
     max_concurrent: int | None  # this process's part of the tenant's bound (split over the workers)
     in_flight: int = 0
+    shed: int = 0  # since start, in this process (for /admin/state and the console)
+    limited: int = 0
 
 
 class Ticket:
@@ -175,6 +179,33 @@ class Tenancy:
         for name in self.tenants:  # every label present from the start
             metrics.in_flight.labels(name).set(0)
 
+    def describe(self, bounds: Mapping[str, int | None]) -> list[dict[str, Any]]:
+        """Each tenant now, for ``/admin/state`` and the console: its settings, its requests in flight and, in each
+        pool it has requests in, how many against its fair share of the pool's bound (``bounds``)."""
+        out = []
+        for name, state in self.tenants.items():
+            w = self.weights[name]
+            pools = {}
+            for pool, counts in self.pool_counts.items():
+                if counts.get(name):
+                    bound = bounds.get(pool)
+                    share = None if bound is None else share_of(name, counts, self.weights, bound)
+                    pools[pool] = {"in_flight": counts[name], "share": share, "bound": bound}
+            spec = state.spec
+            out.append(
+                {
+                    "name": name,
+                    "priority": w.priority,
+                    "weight": w.weight,
+                    "in_flight": state.in_flight,
+                    "shed": state.shed,
+                    "limited": state.limited,
+                    "limits": None if spec is None else spec.limits.model_dump(),
+                    "pools": pools,
+                }
+            )
+        return out
+
     @property
     def key_digests(self) -> frozenset[bytes]:
         return frozenset(self._by_digest)
@@ -221,6 +252,7 @@ class Tenancy:
         headers: list[tuple[str, str]] = []
         if spec is not None:
             if tenant.max_concurrent is not None and tenant.in_flight >= tenant.max_concurrent:
+                tenant.limited += 1
                 self.metrics.limited.labels(tenant.name, "concurrent").inc()
                 self.metrics.requests.labels(tenant.name, "limited").inc()
                 raise RateLimited(
@@ -235,6 +267,7 @@ class Tenancy:
                 headers = rate_headers(got.requests, got.tokens)
                 if not got.allowed:
                     kind = got.refused_by or "requests"
+                    tenant.limited += 1
                     self.metrics.limited.labels(tenant.name, kind).inc()
                     self.metrics.requests.labels(tenant.name, "limited").inc()
                     raise _limited(tenant.name, kind, got, cost, headers)
@@ -257,6 +290,7 @@ class Tenancy:
         m.in_flight.labels(tenant.name).dec()
         m.requests.labels(tenant.name, outcome).inc()
         if outcome == "overloaded":
+            tenant.shed += 1
             m.shed.labels(tenant.name).inc()
         if ticket.reserved <= 0 or tenant.spec is None:
             return

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admin.app import state_dict
 from gateway.admin.explain import explain
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, RedisServer, ServerThread
@@ -172,6 +173,9 @@ def test_a_full_pool_sheds_the_tenant_above_its_share(fake: Fake, gateway: Gatew
     assert (why["name"], why["in_flight"]) == ("flood", 2)
     assert why["pools"]["std"]["by_tenant"] == {"flood": 2}
     assert why["pools"]["std"]["bound"] == 2
+    shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}  # /admin/state, the console's panel
+    assert shown["flood"]["pools"]["std"] == {"in_flight": 2, "share": 2.0, "bound": 2}
+    assert (shown["steady"]["in_flight"], shown["steady"]["pools"]) == (0, {})
     shed = post(gw, "sk-flood-00001")
     assert shed.status_code == 503
     assert shed.json()["error"]["code"] == "overloaded"
@@ -183,6 +187,8 @@ def test_a_full_pool_sheds_the_tenant_above_its_share(fake: Fake, gateway: Gatew
     assert metric(gw, "specgate_tenant_shed_total", tenant="flood") == 1
     assert metric(gw, "specgate_tenant_shed_total", tenant="steady") == 0
     assert metric(gw, "specgate_tenant_in_flight_requests", tenant="flood") == 0
+    shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}
+    assert (shown["flood"]["shed"], shown["steady"]["shed"], shown["flood"]["in_flight"]) == (1, 0, 0)
 
 
 def test_priority_reaches_a_pool_that_schedules_by_it(fake: Fake, gateway: Gateway, tmp_path: Path) -> None:

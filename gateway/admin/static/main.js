@@ -3,7 +3,7 @@
 
 import { actionsFor, setUpExplain } from "./actions.js";
 import { api, ApiError, actor, signIn, signOut, token } from "./api.js";
-import { renderAudit, renderClasses, renderHeader, renderOverrides, renderPools } from "./panels.js";
+import { renderAudit, renderClasses, renderHeader, renderOverrides, renderPools, renderTenants } from "./panels.js";
 import { clock, duration, text } from "./view.js";
 
 const REFRESH_MS = 2000;
@@ -108,6 +108,7 @@ function render() {
   renderHeader(s, ctx);
   renderPools(s, ctx);
   renderClasses(s, ctx);
+  renderTenants(s);
   renderOverrides(s, ctx);
   if (page.audit) renderAudit(page.audit);
   const firstPool = Object.values(s.pools)[0];

@@ -225,6 +225,48 @@ export function renderClasses(state, ctx) {
   labelled(table);
 }
 
+// Tenants (a tenants file only): in flight against the fair share of each pool they use, shed and limited since start.
+function tenantRow(t) {
+  const lim = t.limits || {};
+  const limits = [
+    lim.requests_per_minute ? `${lim.requests_per_minute} req/min` : null,
+    lim.tokens_per_minute ? `${lim.tokens_per_minute} tok/min` : null,
+    lim.max_concurrent ? `${lim.max_concurrent} at once` : null,
+  ].filter((x) => x);
+  const pools = Object.entries(t.pools || {}).map(([pool, p]) => {
+    const over = p.share !== null && p.in_flight > p.share;
+    const share = p.share === null ? "–" : num(p.share, 1);
+    return h("div", {}, `${pool}: ${p.in_flight} of share ${share} (bound ${p.bound === null ? "–" : p.bound}) `, over ? badge("above share", "warn") : null);
+  });
+  return h(
+    "tr",
+    { "data-tenant": t.name },
+    h("th", { scope: "row" }, t.name),
+    h("td", {}, String(t.priority)),
+    h("td", {}, num(t.weight, 2)),
+    h("td", {}, String(t.in_flight)),
+    h("td", {}, pools.length ? pools : "–"),
+    h("td", {}, t.shed ? badge(String(t.shed), "warn") : "0"),
+    h("td", {}, t.limited ? badge(String(t.limited), "warn") : "0"),
+    h("td", {}, limits.length ? limits.join(", ") : "none"),
+  );
+}
+
+export function renderTenants(state) {
+  const section = document.getElementById("tenants-section");
+  if (!section) return;
+  section.hidden = !state.tenants;
+  if (!state.tenants) return;
+  const head = h(
+    "thead",
+    {},
+    h("tr", {}, ["tenant", "priority", "weight", "in flight", "pools (in flight vs share)", "shed", "limited", "limits"].map((t) => h("th", { scope: "col" }, t))),
+  );
+  const table = document.getElementById("tenants");
+  swap(table, head, h("tbody", {}, state.tenants.map(tenantRow)));
+  labelled(table);
+}
+
 export function renderOverrides(state, ctx) {
   const table = document.getElementById("overrides");
   if (!state.overrides.length) {
