@@ -213,9 +213,9 @@ async def _capacity(base: str, clients: int, duration_s: float, max_tokens: int)
 
 def bench_tenants(
     *,
-    duration_s: float = 20.0,
+    duration_s: float = 60.0,
     max_num_seqs: int = 16,
-    output_len: int = 64,
+    output_len: int = 256,
     time_scale: float = 1.0,
     high_priority: bool = False,
     steady_weight: float = 2.0,

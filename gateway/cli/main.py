@@ -409,9 +409,9 @@ def bench_controller_cmd(
 
 @bench_app.command("tenants")
 def bench_tenants_cmd(
-    duration: Annotated[float, typer.Option(help="Seconds of each phase (alone, then with the flood).")] = 20.0,
+    duration: Annotated[float, typer.Option(help="Seconds of each phase (alone, then with the flood).")] = 60.0,
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of the simulated server.")] = 16,
-    output_len: Annotated[int, typer.Option(help="Median answer length of the simulated server (tokens).")] = 64,
+    output_len: Annotated[int, typer.Option(help="Median answer length of the simulated server (tokens).")] = 256,
     time_scale: Annotated[float, typer.Option(help="Simulator clock (0.1 = ten times faster than real).")] = 1.0,
     high_priority: Annotated[
         bool, typer.Option("--high-priority", help="Add a tenant of a better priority at 10% of capacity.")

@@ -98,8 +98,8 @@ def hold_back(
     band = {name: t for name, t in active.items() if t.priority == mine.priority}
     band[tenant] = mine
     shares = fair_shares(max(0, bound - better), band)
-    if counts.get(tenant, 0) + 1 <= shares[tenant]:
-        return False  # within its share: it takes the slot
+    if counts.get(tenant, 0) + 1 <= math.ceil(shares[tenant]):
+        return False  # within its share (as admit_at_bound counts it): it takes the slot
     keep = sum(1 for t in active.values() if t.priority < mine.priority)
     keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
     return in_flight + keep >= bound

@@ -143,3 +143,12 @@ def test_below_the_bound_a_tenant_above_its_share_leaves_a_slot_to_each_other_te
     assert not hold_back("gold", {"gold": 13, "flood": 2}, W, bound=16, in_flight=15)
     # Within its share a tenant is never held back, not even for a better band's slot.
     assert not hold_back("steady", {"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7)
+
+
+def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
+    # steady's share: 2/3 of what gold leaves (13) = 8.67; its 9th request is within it (rounded up) and the pool
+    # has a free slot: it is admitted, not held back for the others' slots.
+    weights = {**W, "steady": TenantWeight(2.0, 0)}
+    counts = {"flood": 4, "steady": 8, "gold": 3}
+    assert not hold_back("steady", counts, weights, bound=16, in_flight=15)
+    assert admit_at_bound("steady", {"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16)
