@@ -250,9 +250,9 @@ def bench_tenants(
             gw = start_gateway(1_000_000)
             time.sleep(1.0)  # the first health round
             capacity = asyncio.run(_capacity(base, max_num_seqs, min(10.0, duration_s / 2), max_tokens))
-            # Its bucket holds 2.5 C x the phase: about a third of its 5 C is limited, and what passes still
-            # keeps the pool at its bound (so it is shed as well).
-            flood_rpm = max(1, int(2.5 * capacity * duration_s))
+            # Over the phase its bucket lets through its burst (rpm) and the refill (rpm x phase / 60): set to
+            # two thirds of the 5 C it sends, which still keeps the pool at its bound (so it is shed as well).
+            flood_rpm = max(1, int((10 / 3) * capacity * duration_s / (1 + duration_s / 60)))
             gw.terminate()
             gw.wait(timeout=10)
             start_gateway(flood_rpm)
