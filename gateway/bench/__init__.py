@@ -6,6 +6,7 @@
   against a static upstream; ``gateway.bench.otlp_sink``: the OTLP receiver of its ``--tracing`` measurement.
 - ``gateway.bench.controller`` / ``gateway.bench.controller_report``: the route-state controllers and admission
   control under a load step, against simulated pools, and its report.
+- ``gateway.bench.tenants``: a flooding tenant next to a steady one (and a high-priority one) on a simulated pool.
 - ``gateway.bench.soak`` / ``gateway.bench.soak_checks``: many concurrent streams for a long time with faults on a
   schedule, and its invariants (one terminal outcome per request, gauges back to 0, flat memory, no busy endpoint
   ejected).

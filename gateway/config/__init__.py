@@ -5,6 +5,7 @@
   ``affinity``: the ``prefix_affinity`` block);
   ``checks``: whole-document checks;
   ``loader``: parse + validate with errors that name the YAML path and line; ``jsonschema``: the editor schema.
+- ``tenants``: the tenants file (``--tenants-file``): each tenant's keys, priority, share weight and limits.
 - ``packaged``: files shipped in the package: ``default_rules.yaml``, the default routing YAML (a copy of the
   repository's ``routing_rules/default.yaml``, kept equal by a test), for ``specgate demo`` and the benchmarks.
 

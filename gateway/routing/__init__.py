@@ -9,5 +9,6 @@
   ``class_track``: what the state keeps per class (window counts, the class's seen temperatures), its metrics, and
   what it hands out;
   ``estimate``: a class's expected completion time on a pool.
+- ``fairshare``: which tenant gets in at a full pool (priority bands, weighted fair share).
 - ``attempts``: the attempt policy: which failures are retryable, the retry budget, outlier ejection.
 """

@@ -3,5 +3,6 @@
 - ``live``: ``LiveConfig``: everything built from one routing YAML (rules, classifier, pools, clients), swapped whole.
 - ``reload``: triggers (file watch, SIGHUP, admin), validation first, one reference swap, old clients retired.
 - ``detached``: ``DetachedBudget``: caps the keyed generations kept running after their client went away.
+- ``tenants``: ``Tenancy``: who a client key belongs to, the tenant's limits at admission, its requests per pool.
 - ``container``: ``Runtime``: settings, live config, metrics, store, overrides, controllers and background tasks.
 """
