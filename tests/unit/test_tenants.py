@@ -4,11 +4,14 @@ fair-share decision at a full pool."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from gateway.config.settings import Settings
 from gateway.config.tenants import TenantsError, load_tenants_text
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back
+from gateway.runtime.container import Runtime
 from gateway.runtime.tenants import format_reset, usage_tokens
 from gateway.store.ratelimit import MemoryRateLimiter
 
@@ -152,3 +155,14 @@ def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
     counts = {"flood": 4, "steady": 8, "gold": 3}
     assert not hold_back("steady", counts, weights, bound=16, in_flight=15)
     assert admit_at_bound("steady", {"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16)
+
+
+def test_the_tenants_file_travels_to_the_workers_and_a_bad_one_stops_the_start(tmp_path: Path) -> None:
+    rules = Path(__file__).parents[2] / "routing_rules" / "default.yaml"
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - name: a\n    keys: [sk-aaaa-0001]\n    limits: {requests_per_minute: -1}\n")
+    settings = Settings(rules=rules, tenants_file=path)
+    assert Settings.from_env(settings.to_env()).tenants_file == path
+    with pytest.raises(TenantsError) as err:
+        Runtime.from_settings(settings)
+    assert f"{path}: tenants[0].limits.requests_per_minute: Input should be greater than 0" in str(err.value)
