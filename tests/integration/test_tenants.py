@@ -4,6 +4,7 @@ a full pool, and the tenant's priority in the body a pool that schedules by prio
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from collections.abc import Callable
@@ -14,12 +15,18 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admin.app import state_dict
 from gateway.admin.explain import explain
+from gateway.config.tenants import load_tenants_text
+from gateway.errors import RateLimited
+from gateway.observability.tenant_metrics import TenantMetrics
+from gateway.runtime.tenants import Tenancy
+from gateway.store.ratelimit import RedisRateLimiter
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, RedisServer, ServerThread
+from tests.conftest import MODEL, RedisServer, ServerThread, closed_port_url
 from tests.integration.test_overload import one_pool_rules, wait_for
 
 Fake = Callable[..., FakeUpstreamServer]
@@ -224,3 +231,23 @@ def test_a_fcfs_pool_gets_the_body_unchanged(fake: Fake, gateway: Gateway, tmp_p
     assert post(gw, "sk-batch-00001").status_code == 200
     body = [r["body"] for r in std.state.requests if r["path"] == "/v1/chat/completions"][-1]
     assert "priority" not in body
+
+
+def test_with_redis_unreachable_each_process_still_limits_alone() -> None:
+    port = closed_port_url().rsplit(":", 1)[1]
+    spec = load_tenants_text("tenants:\n  - {name: a, keys: [sk-aaaa-0001], limits: {requests_per_minute: 2}}\n", "t")
+    limiter = RedisRateLimiter.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.2)
+    tenancy = Tenancy(spec, frozenset(), TenantMetrics(CollectorRegistry()), limiter)
+    tenant = tenancy.identify("Bearer sk-aaaa-0001")
+
+    async def run() -> None:
+        tickets = [await tenancy.admit(tenant, 0, 0) for _ in range(2)]
+        with pytest.raises(RateLimited) as err:
+            await tenancy.admit(tenant, 0, 0)
+        assert err.value.headers["x-ratelimit-remaining-requests"] == "0"
+        for t in tickets:
+            t.finish("ok", True)
+        await tenancy.close()
+
+    asyncio.run(run())
+    assert tenant.in_flight == 0
