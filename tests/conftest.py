@@ -22,7 +22,7 @@ from starlette.types import ASGIApp
 
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
-from gateway.proxy.limits import head_limits, http_protocol
+from gateway.proxy.limits import client_limits, http_protocol
 from gateway.testing.fake_upstream import FakeConfig, FakeUpstreamServer
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -173,7 +173,7 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
         settings.setdefault("health_timeout_s", 0.5)
         config = Settings(rules=path, host="127.0.0.1", port=8080, **settings)
         app = create_app(config)
-        server = ServerThread(app, http=http_protocol(head_limits(config))).start()  # as ``specgate serve``
+        server = ServerThread(app, http=http_protocol(client_limits(config))).start()  # as ``specgate serve``
         started.append(server)
         deadline = time.monotonic() + 5
         while app.state.runtime.health.rounds == 0 and time.monotonic() < deadline:

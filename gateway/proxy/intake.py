@@ -32,7 +32,7 @@ from gateway.proxy.idempotency import (
     tenant_scope,
 )
 from gateway.proxy.job import ProxyJob
-from gateway.proxy.limits import check_json_depth
+from gateway.proxy.json_depth import check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER, Endpoint
@@ -110,7 +110,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         idempotency_key = parse_key(keys)
         raw = await read_body(receive, rt.settings.max_body_bytes, hdr.get("content-length"))
         body = parse_object(raw)
-        check_json_depth(raw, body, rt.settings.max_json_depth)
+        check_json_depth(raw, rt.settings.max_json_depth)
         live = rt.live
         d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng)
         rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
