@@ -227,7 +227,7 @@ def run_server(settings: Settings) -> None:
         "log_config": None,
         "access_log": False,
         "loop": "uvloop",
-        "http": http_protocol(client_limits(settings)),  # uvicorn's httptools, with the request-head limits
+        "http": http_protocol(client_limits(settings)),  # uvicorn's httptools, with the client limits
         "timeout_graceful_shutdown": 30,
     }
     if settings.workers == 1:
