@@ -118,6 +118,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._held: Held | None = None  # this connection's place in the gate, until released
         self._in_head = True  # the bytes arriving now belong to a request head (until on_headers_complete)
         self._head_open = False  # bytes of a request head have arrived, and the head has not ended
+        self._begun = False  # ... and its request line began (not only the blank lines llhttp skips)
         self._head_bytes = 0
         self._header_count = 0
         self._heads = 0  # request heads completed on this connection
@@ -188,6 +189,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_expired(self) -> None:
         self._timer = None
+        if not self._begun:  # only blank lines: no request to answer (a stray 408 could be read as the next answer)
+            _count_refusal(self.app, "head_timeout")
+            self._refused = True
+            self._unset_keepalive_if_required()
+            self._linger_close()
+            return
         limit = self.head_limits.header_timeout_s
         self._refuse(f"the request head did not arrive within {limit:g} s", "request_timeout", "head_timeout", 408)
 
@@ -212,7 +219,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None:  # the app waiting for the body sees the client gone; its answer goes nowhere
             cycle.disconnected = True
             cycle.message_event.set()
-        self._refuse("the request body did not arrive in time", "request_timeout", "body_timeout", 408)
+        took = self._body_allowance()
+        self._refuse(f"the request body did not arrive within {took:g} s", "request_timeout", "body_timeout", 408)
 
     # ---- parser callbacks -----------------------------------------------------------------------------------
 
@@ -220,6 +228,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
         self._head_open = True
+        self._begun = True
         self._header_count = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -231,6 +240,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_open = False
+        self._begun = False
         self._heads += 1
         self._body_bytes = 0
         if self._timer is not None:
