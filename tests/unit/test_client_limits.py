@@ -1,11 +1,12 @@
 """The depth of a JSON body read from its text (gateway/proxy/json_depth.py) against a walk of the parsed value,
-and the connection caps' counting (gateway/proxy/connections.py)."""
+the connection caps' counting (gateway/proxy/connections.py), and the settings of the client limits."""
 
 from __future__ import annotations
 
 import json
 import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -13,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.config.settings import Settings, SettingsError
 from gateway.errors import InvalidJSON
 from gateway.proxy.connections import ConnectionGate, Held, client_key
 from gateway.proxy.json_depth import check_json_depth, json_depth
+from gateway.proxy.limits import client_limits
 
 
 def walk_depth(value: Any) -> int:
@@ -116,3 +119,22 @@ def test_ipv6_clients_count_per_64_and_mapped_ipv4_as_ipv4() -> None:
     assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
     assert client_key("::ffff:10.1.2.3") == "10.1.2.3"
     assert client_key("10.1.2.3") == "10.1.2.3"
+
+
+def test_client_limit_settings_travel_through_the_environment_and_bad_ones_are_refused() -> None:
+    s = Settings(rules=Path("r.yaml"), header_timeout_s=1.5, keep_alive_s=0.25, max_connections=0, body_min_rate=2048)
+    assert Settings.from_env(s.to_env()) == s  # what each worker of --workers N reads back
+    limits = client_limits(s)
+    assert (limits.header_timeout_s, limits.keep_alive_s, limits.max_connections) == (1.5, 0.25, 0)
+    assert limits.max_body_bytes == s.max_body_bytes
+    bad: list[dict[str, Any]] = [
+        {"header_timeout_s": 0},
+        {"body_timeout_s": -1},
+        {"keep_alive_s": float("nan")},
+        {"body_min_rate": 10},
+        {"max_connections": -1},
+        {"max_connections_per_client": -1},
+    ]
+    for kw in bad:
+        with pytest.raises(SettingsError):
+            Settings(rules=Path("r.yaml"), **kw)
