@@ -98,6 +98,48 @@ def serve(
             help="Stored responses of the in-memory Idempotency-Key store, together; the oldest go first.",
         ),
     ] = 256 * 1024 * 1024,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--header-timeout",
+            envvar="SPECGATE_HEADER_TIMEOUT_S",
+            help="Seconds for a request head, from its first byte; past it: 408, connection closed.",
+        ),
+    ] = 30.0,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--body-timeout",
+            envvar="SPECGATE_BODY_TIMEOUT_S",
+            help="Seconds a request body may take (a larger body: its size / --body-min-rate); past it: 408.",
+        ),
+    ] = 30.0,
+    body_min_rate: Annotated[
+        int,
+        typer.Option(envvar="SPECGATE_BODY_MIN_RATE", help="Bytes per second a large request body must keep up."),
+    ] = 32 * 1024,
+    keep_alive_s: Annotated[
+        float,
+        typer.Option(
+            "--keep-alive",
+            envvar="SPECGATE_KEEP_ALIVE_S",
+            help="Seconds a connection may wait for its next request (or its first); then it is closed.",
+        ),
+    ] = 5.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_CONNECTIONS",
+            help="Open connections per listener of each worker process; past it: 503 (0: no cap).",
+        ),
+    ] = 8192,
+    max_connections_per_client: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_CONNECTIONS_PER_CLIENT",
+            help="The same, from one client address (IPv6: one /64); past it: 503 (0: no cap).",
+        ),
+    ] = 512,
     api_keys: Annotated[
         str,
         typer.Option(
@@ -183,6 +225,12 @@ def serve(
             max_detached=max_detached,
             max_detached_per_client=max_detached_per_client,
             idempotency_memory_bytes=idempotency_memory_bytes,
+            header_timeout_s=header_timeout_s,
+            body_timeout_s=body_timeout_s,
+            body_min_rate=body_min_rate,
+            keep_alive_s=keep_alive_s,
+            max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
             metrics_token=os.environ.get("SPECGATE_METRICS_TOKEN", "").strip() or None,  # environment only

@@ -31,7 +31,13 @@ _INT_FIELDS = frozenset(
         "max_detached",
         "max_detached_per_client",
         "idempotency_memory_bytes",
+        "body_min_rate",
+        "max_connections",
+        "max_connections_per_client",
     }
+)
+_FLOAT_FIELDS = frozenset(
+    {"health_interval_s", "health_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"}
 )
 
 
@@ -65,6 +71,14 @@ class Settings:
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
     idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
+    # Client connections (gateway/proxy/limits.py, docs/limits.md): time bounds before a request reaches the app, and
+    # open connections per listener of this process (0: no cap).
+    header_timeout_s: float = 30.0  # a request head, from its first byte to its end; past it: 408
+    body_timeout_s: float = 30.0  # a request body, at least; past it (and past its size / body_min_rate): 408
+    body_min_rate: int = 32 * 1024  # bytes per second a longer body is allowed for
+    keep_alive_s: float = 5.0  # a connection with no request on it (new, or between requests); past it: closed
+    max_connections: int = 8192  # open client connections of this process, per listener; past it: 503
+    max_connections_per_client: int = 512  # ... from one client address (an IPv6 /64); past it: 503
     # Client keys: from SPECGATE_API_KEYS or the keys file only (``specgate serve`` refuses them as a flag, which
     # every user of the machine could read in ``ps``). Kept out of repr.
     api_keys: str = field(default="", repr=False)
@@ -114,6 +128,13 @@ class Settings:
             raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
         if self.max_detached < 0 or self.max_detached_per_client < 0:
             raise SettingsError("max_detached and max_detached_per_client must be >= 0")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise SettingsError(f"{name} must be > 0 and <= 3600 seconds, got {getattr(self, name)}")
+        if self.body_min_rate < 1024:
+            raise SettingsError(f"body_min_rate must be >= 1024 bytes per second, got {self.body_min_rate}")
+        if self.max_connections < 0 or self.max_connections_per_client < 0:
+            raise SettingsError("max_connections and max_connections_per_client must be >= 0 (0: no cap)")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise SettingsError("health_interval_s and health_timeout_s must be > 0")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -149,7 +170,7 @@ class Settings:
             try:
                 if f.name in _INT_FIELDS:
                     kw[f.name] = int(raw)
-                elif f.name in ("health_interval_s", "health_timeout_s"):
+                elif f.name in _FLOAT_FIELDS:
                     kw[f.name] = float(raw)
                 elif f.name == "cluster":
                     if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):

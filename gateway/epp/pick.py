@@ -17,7 +17,7 @@ from gateway.errors import MethodNotAllowed, NoCapacity, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
-from gateway.proxy.limits import check_json_depth
+from gateway.proxy.json_depth import check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
