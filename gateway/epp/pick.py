@@ -101,7 +101,7 @@ def pick(
     if len(raw) > rt.settings.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
     body = parse_object(raw)
-    check_json_depth(raw, body, rt.settings.max_json_depth)
+    check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live
     d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
     extra: list[tuple[str, str]] = []
