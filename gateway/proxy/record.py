@@ -86,6 +86,8 @@ class RequestRecord:
         ttft = self.first_sent - self.arrived if self.stream and self.first_sent is not None else None
         overhead = self.overhead_s(end)
         metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
+        if self.route_reason is not None:
+            metrics.route_decided(cls, self.route_reason)
         spec = self.spec
         if spec is not None:
             metrics.observe_acceptance(cls, self.temperature_band, spec)

@@ -39,7 +39,7 @@ from gateway.proxy.idempotency import tenant_scope
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.wire import JSON_CONTENT_TYPE
-from gateway.routing.plan import Plan
+from gateway.routing.plan import STICKY, Plan
 from gateway.routing.responses_features import valid_response_id
 from gateway.runtime.container import Runtime
 from gateway.store.base import Store, StoreUnavailable
@@ -181,7 +181,7 @@ class Sticky:
 
     @property
     def plan(self) -> Plan | None:
-        return None if self.pinned is None else Plan((self.pinned[0].name,), "sticky")
+        return None if self.pinned is None else Plan((self.pinned[0].name,), STICKY)
 
 
 async def for_create(
@@ -233,16 +233,16 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response | Pr
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
         return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
-    rec.route_reason, rec.stream = "sticky", stream
+    rec.route_reason, rec.stream = STICKY, stream
     job = ProxyJob(
         path=f"/v1/responses/{rid}{suffix}{query}",
         body=b"",
         client_headers=list(headers.items()),
         stream=stream,
-        plan=Plan((pool.name,), "sticky"),
+        plan=Plan((pool.name,), STICKY),
         max_attempts=1,
         record=rec,
-        extra_headers=[*extra.items(), ("x-specgate-route", "sticky")],
+        extra_headers=[*extra.items(), ("x-specgate-route", STICKY)],
         dialect=ResponsesDialect() if stream else CHAT,
         pinned=(pool, ep),
         method=method,

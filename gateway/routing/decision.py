@@ -91,6 +91,7 @@ def decide(
         probe=choice is not None and choice.why == "probe",
         speeds=None if choice is None else choice.speeds,
         visitor=choice is not None and choice.why == "spill",
+        why=None if choice is None else choice.why,
     )
     return Decision(
         c.traffic_class.name,

@@ -157,6 +157,10 @@ class RoutingState:
         else:
             state, share = ctl.state, ctl.share
         pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
+        forced = self._forced.get(class_name)
+        if forced is not None:  # an on-call force decides, not the controller's share, probe or guard
+            kind = forced[0]
+            return RouteChoice(ctl.state, kind, ctl.share, forced=True, why="forced", pools=pools, speeds=c.speeds)
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
