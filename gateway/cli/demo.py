@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import tempfile
-from collections.abc import Collection, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,14 @@ def demo_admin_token(environ: MutableMapping[str, str]) -> tuple[str, bool]:
     return token, True
 
 
-def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
+def run_demo(rules_path: Path, port: int, admin_port: int | None = None, *, time_scale: float = 1.0) -> None:
+    """The demo on ``port``, its admin API on ``admin_port`` (None: ``port`` + 1)."""
     from gateway.cli.serve import run_server
 
     if not rules_path.exists():
         raise RuntimeError(f"{rules_path} not found")
+    admin_port = port + 1 if admin_port is None else admin_port
+    check_ports(port, admin_port)
     rules = yaml.safe_load(rules_path.read_text())
     ports = {p["name"]: free_port() for p in rules["pools"]}
     stand_ins = plan_stand_ins(rules, ports, time_scale=time_scale)
@@ -60,7 +63,6 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                 wait_for_port(s.port)
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(stand_in_rules(rules, ports), sort_keys=False))
-            admin_port = admin_port_for(port, taken=set(ports.values()))
             token, generated = demo_admin_token(os.environ)
             print(banner(rules, ports, port, admin_port, token if generated else None), flush=True)
             settings = Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0, admin_port=admin_port)
@@ -73,19 +75,29 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
                     proc.wait(timeout=5)
 
 
-def admin_port_for(port: int, taken: Collection[int] = ()) -> int:
-    """The demo's admin port: the one after the gateway's when nothing holds it (easy to remember), else any free
-    one: a simulated server or another program on port + 1 must not stop the demo from starting."""
-    nxt = port + 1 if port < 65535 else port - 1
-    if nxt not in taken:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", nxt))
-            except OSError:
-                pass
-            else:
-                return nxt
-    return free_port()
+def check_ports(port: int, admin_port: int) -> None:
+    """Refuse to start, before anything is printed or started, when the gateway's port or the admin port is taken
+    (another demo, say): the message names each port taken and how to choose others. Never moves a port silently:
+    the banner's URLs and ``export`` lines must be the ones that answer."""
+    if port == admin_port:
+        raise RuntimeError(f"--port and --admin-port are both {port}: choose two different ports")
+    taken = [f"{p} ({what})" for p, what in ((port, "the gateway"), (admin_port, "the admin API")) if _in_use(p)]
+    if taken:
+        raise RuntimeError(
+            f"cannot start the demo: port {' and '.join(taken)} {'is' if len(taken) == 1 else 'are'} already in use "
+            "(another demo?). Stop it, or choose free ports: make run ARGS='--port 9080 --admin-port 9081' "
+            "(or specgate demo --port 9080 --admin-port 9081)"
+        )
+
+
+def _in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT is no conflict
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int, new_token: str | None) -> str:

@@ -183,6 +183,9 @@ def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
+    admin_port: Annotated[
+        int | None, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port [default: --port + 1].")
+    ] = None,
     rules: Annotated[
         Path | None,
         typer.Option(help="Routing YAML whose pools get simulated endpoints [default: the packaged default YAML]."),
@@ -192,7 +195,7 @@ def demo(
     from gateway.cli.demo import run_demo
 
     try:
-        run_demo(rules or DEFAULT_RULES, port)
+        run_demo(rules or DEFAULT_RULES, port, admin_port)
     except (OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 

@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 def test_demo_serves_and_sigterm_stops_its_simulated_servers(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(free_port())],
         cwd=tmp_path,  # not the repository root: no routing_rules/ here
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -80,10 +80,10 @@ def _exports(banner: str) -> dict[str, str]:
 
 
 def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tmp_path: Path) -> None:
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(admin_port)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -100,11 +100,7 @@ def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tm
         exports = _exports(banner)
         assert set(exports) == {"SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL"}, banner
         assert len(exports["SPECGATE_ADMIN_TOKEN"]) >= 32
-        # port + 1 when it is free; the demo picks another when something else holds it
-        admin_url = exports["SPECGATE_ADMIN_URL"]
-        assert admin_url.startswith("http://127.0.0.1:"), admin_url
-        admin_port = int(admin_url.rsplit(":", 1)[1])
-        assert admin_port != port
+        assert exports["SPECGATE_ADMIN_URL"] == f"http://127.0.0.1:{admin_port}"  # the port asked for, never another
         wait_for_port(admin_port, 60.0)
 
         def specgate(*args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
@@ -130,3 +126,18 @@ def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tm
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_demo_fails_before_its_banner_naming_the_taken_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:  # the first demo's gateway port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(free_port())]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert "specgate demo" not in done.stdout  # no banner, no "ready"
+    assert f"port {port} (the gateway) is already in use" in done.stderr
+    assert "--admin-port" in done.stderr
