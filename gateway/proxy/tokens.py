@@ -21,6 +21,7 @@ from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import read_limited
 from gateway.proxy.wire import JSON_CONTENT_TYPE
+from gateway.routing.decision import not_found
 from gateway.routing.plan import Plan
 from gateway.runtime.container import Runtime
 
@@ -53,7 +54,7 @@ async def _forward(request: Request, path: str) -> Response | ProxyExchange:
         live = rt.live
         serving = [p for p in live.pools.values() if model in p.models]
         if not serving:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(model, live.model_set), param="model")
         plan = Plan(tuple(p.name for p in serving if p.routable()), CLASS)
         if plan.empty:
             raise Plan((), CLASS, tuple((p.name, "no routable endpoint") for p in serving)).unavailable()
