@@ -188,14 +188,18 @@ def demo(
     ] = None,
     rules: Annotated[
         Path | None,
-        typer.Option(help="Routing YAML whose pools get simulated endpoints [default: the packaged default YAML]."),
+        typer.Option(
+            help="Routing YAML whose pools get simulated endpoints, watched for changes [default: "
+            "routing_rules/default.yaml here, else the packaged default YAML]."
+        ),
     ] = None,
 ) -> None:
     """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
     from gateway.cli.demo import run_demo
 
+    here = Path("routing_rules/default.yaml")
     try:
-        run_demo(rules or DEFAULT_RULES, port, admin_port)
+        run_demo(rules or (here if here.is_file() else DEFAULT_RULES), port, admin_port)
     except (OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 
