@@ -230,7 +230,11 @@ def _register_admin() -> None:
     from gateway.cli.admin import COMMANDS, EXIT_CODES_HELP
 
     for name, (command, help_text) in COMMANDS.items():
-        app.command(name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.")(command)
+        # ``weight POOL -1``: a negative number is the weight (refused by its range, saying so), not an option
+        settings = {"ignore_unknown_options": True} if name == "weight" else None
+        app.command(
+            name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.", context_settings=settings
+        )(command)
 
 
 _register_admin()
