@@ -35,10 +35,10 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
+from gateway.proxy.http import error_response
 from gateway.proxy.idempotency import tenant_scope
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
-from gateway.proxy.wire import JSON_CONTENT_TYPE
 from gateway.routing.plan import STICKY, Plan
 from gateway.routing.responses_features import valid_response_id
 from gateway.runtime.container import Runtime
@@ -232,7 +232,7 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response | Pr
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(orjson.dumps(exc.envelope()), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE)
+        return error_response(exc, method, rec.path, extra.items())
     rec.route_reason, rec.stream = STICKY, stream
     job = ProxyJob(
         path=f"/v1/responses/{rid}{suffix}{query}",
