@@ -387,10 +387,10 @@ def _print_audit(data: dict[str, Any]) -> None:
             *(escape(str(r.get(k, "–"))) for k in ("actor", "action", "target", "reason")),
             escape(ac.detail_text(r.get("detail"))),
         ]
-        for r in records
+        for r in reversed(records)  # newest first, as the console shows them (the API answers oldest first)
     ]
     out = Console()
-    title = f"audit ({len(records)} of {data.get('total', '–')} records, newest last)"
+    title = f"audit ({len(records)} of {data.get('total', '–')} records, newest first)"
     out.print(fit_table(title, AUDIT_COLUMNS, rows, out.width))
 
 

@@ -201,8 +201,24 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
             message = f"{problem} ({exc.context}" + (f", {where})" if where else ")")
         else:
             message = problem
-        return ConfigIssue("", f"invalid YAML: {message}", exc.problem_mark.line + 1)
+        line = exc.problem_mark.line + 1
+        if any(sign in message for sign in _INDENTATION_SIGNS):
+            message += (
+                f"; usually the indentation of line {line} or the line above it: keys of one mapping start in the "
+                "same column, list items under their key, spaces only"
+            )
+        return ConfigIssue("", f"invalid YAML: {message}", line)
     return ConfigIssue("", f"invalid YAML: {exc}")
+
+
+# What PyYAML says when a line is indented wrong (a key too deep or not deep enough, a tab).
+_INDENTATION_SIGNS = (
+    "mapping values are not allowed",
+    "expected <block end>",
+    "could not find expected ':'",
+    "found character '\\t'",
+    "did not find expected key",
+)
 
 
 def _duplicate_keys(root: yaml.Node) -> list[ConfigIssue]:

@@ -339,6 +339,7 @@ def test_audit_table_limit_and_since_against_the_real_app(real: tuple[str, Runti
     assert "vllm upgrade" in r.output
     assert "two hours ago" in r.output
     assert '{"weight":0}' in r.output
+    assert r.output.index("vllm upgrade") < r.output.index("two hours ago")  # newest first, as in the console
     r = invoke("audit", "--url", url, "--since", "1h")
     assert r.exit_code == 0, r.output
     assert "vllm upgrade" in r.output
