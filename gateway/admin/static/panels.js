@@ -101,7 +101,9 @@ function poolCard(name, p, ctx) {
     ? h(
         "ul",
         { class: "pool-overrides" },
-        p.overrides.map((o) => h("li", {}, badge(describeOverride(o), o.kind === "drain" ? "warn" : "info"), " ", countdown(o.expires_at, ctx))),
+        p.overrides.map((o) =>
+          h("li", {}, badge(describeOverride(o), o.kind === "drain" ? "warn" : "info"), " ", countdown(o.expires_at, ctx), o.reason ? h("span", { class: "reason" }, ` ${o.reason} (${o.actor})`) : null),
+        ),
       )
     : null;
   const actions = ctx.canChange
@@ -203,7 +205,14 @@ function classRow(c, ctx) {
     h("td", {}, routeText),
     h("td", {}, badge(state, state === "speculative" ? "spec" : state === "standard" ? "std" : "info"), " ", guard),
     h("td", { class: "share" }, ctl ? pct(ctl.share) : "–", ctl ? sparkline(ctx.history.klass(c.name), `class ${c.name} speculative share`, 1) : null),
-    h("td", {}, ctl ? ctl.last_reason || "–" : "–", ctl && ctl.holding ? h("div", { class: "desc" }, `holding: ${ctl.holding}`) : null),
+    h(
+      "td",
+      {},
+      ctl ? ctl.last_reason || "–" : "–",
+      // a force removed: the controller keeps the forced state until its next round decides
+      ctl && !force && ctl.last_reason === "manual" ? h("div", { class: "desc" }, "force removed: the controller decides at its next round") : null,
+      ctl && ctl.holding ? h("div", { class: "desc" }, `holding: ${ctl.holding}`) : null,
+    ),
     h("td", {}, force ? [badge(`forced ${force.value}`, "warn"), " ", countdown(force.expires_at, ctx)] : "–"),
     actions,
   );
