@@ -310,7 +310,8 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
         issues = page.locator("#confirm-issues li")
         expect(issues.filter(has_text="classes[0].route.fallback[0]")).to_have_count(1)
         expect(issues.filter(has_text="classes[1].route.preferred")).to_have_count(1)
-        expect(page.locator("#confirm-error")).to_have_text("422 invalid_config: 2 problem(s) in the file; nothing changed.")
+        refused = "422 invalid_config: 2 problem(s) in the file; nothing changed."
+        expect(page.locator("#confirm-error")).to_have_text(refused)
         expect(page.locator("#confirm-error")).not_to_contain_text("classes[0]")  # each error once, in the list
         shot(page, "reload-refused.png", full=False)
         page.click("#confirm-cancel")
