@@ -83,7 +83,7 @@ function poolCard(name, p, ctx) {
     "dl",
     { class: "metrics" },
     [
-      ["in flight", num(p.in_flight)],
+      ["in flight", num(p.cluster_in_flight ?? p.in_flight)], // every replica's and worker's, not one worker's
       ["queue", num(p.waiting)],
       ["batch", num(p.running)],
       ["KV", pct(p.kv_usage)],
@@ -136,7 +136,7 @@ function poolCard(name, p, ctx) {
         num(e.effective_weight, 2),
         changed ? h("div", { class: "desc" }, `YAML ${num(e.configured_weight, 2)}`) : null,
       ),
-      h("td", { class: "num" }, num(e.in_flight)),
+      h("td", { class: "num" }, num(e.in_flight + (e.remote_in_flight || 0))),
       ctx.canChange ? h("td", {}, button("Weight", `ew:${name}/${e.id}`, () => ctx.act.endpointWeight(name, e), { title: `Set the weight of endpoint ${e.id}` })) : null,
     );
   });
