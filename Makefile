@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 ## Start the gateway on :8080 with two simulated vLLM pools (no GPU, no Redis).
 run: $(STAMP)
-	$(BIN)/specgate demo
+	$(BIN)/specgate demo $(ARGS)
 
 ## Set up and run the whole test suite (the console's browser tests need Debian's chromium: installed here
 ## when run as root with apt, else they skip and say so).

@@ -48,7 +48,7 @@ from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
-from gateway.routing.plan import Plan, is_saturated
+from gateway.routing.plan import STICKY, Plan, is_saturated
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
@@ -231,7 +231,8 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
         "expected_completion": None if controller is None else controller.get("estimates"),
         "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
         "plan": {
-            "reason": d.plan.reason,
+            # a follow-up goes only where its conversation is (see "stateful"), under the proxy's reason for it
+            "reason": STICKY if _follow_up(endpoint, body) else d.plan.reason,
             "empty": d.plan.empty,  # the proxy would answer 503 no_capacity
             "steps": plan_steps(d.plan, live, klass, d.max_attempts),
             "skipped": [{"pool": p, "reason": why} for p, why in d.plan.skipped],
@@ -264,6 +265,10 @@ def _affinity(live: LiveConfig, plan: Plan, chunks: tuple[int, ...]) -> dict[str
             "why": why if cfg.enabled else "disabled",
         }
     return out
+
+
+def _follow_up(endpoint: Endpoint | None, body: Mapping[str, Any]) -> bool:
+    return endpoint == "responses" and isinstance(body.get("previous_response_id"), str)
 
 
 def _stateful(endpoint: Endpoint | None, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -328,16 +328,23 @@ def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
+    admin_port: Annotated[
+        int | None, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port [default: --port + 1].")
+    ] = None,
     rules: Annotated[
         Path | None,
-        typer.Option(help="Routing YAML whose pools get simulated endpoints [default: the packaged default YAML]."),
+        typer.Option(
+            help="Routing YAML whose pools get simulated endpoints, watched for changes [default: "
+            "routing_rules/default.yaml here, else the packaged default YAML]."
+        ),
     ] = None,
 ) -> None:
     """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
     from gateway.cli.demo import run_demo
 
+    here = Path("routing_rules/default.yaml")
     try:
-        run_demo(rules or DEFAULT_RULES, port)
+        run_demo(rules or (here if here.is_file() else DEFAULT_RULES), port, admin_port)
     except (OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 
@@ -368,7 +375,11 @@ def _register_admin() -> None:
     from gateway.cli.admin import COMMANDS, EXIT_CODES_HELP
 
     for name, (command, help_text) in COMMANDS.items():
-        app.command(name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.")(command)
+        # ``weight POOL -1``: a negative number is the weight (refused by its range, saying so), not an option
+        settings = {"ignore_unknown_options": True} if name == "weight" else None
+        app.command(
+            name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.", context_settings=settings
+        )(command)
 
 
 _register_admin()

@@ -97,10 +97,15 @@ class Listeners:
     admin_socket: socket.socket | None = None
 
     async def serve(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # log lines name the listener they come from (gateway.observability.logs)
+            task.set_name("client")
         if self.admin is None:
             await self.main.serve()
             return
-        admin = asyncio.create_task(self.admin.serve(sockets=[self.admin_socket] if self.admin_socket else None))
+        admin = asyncio.create_task(
+            self.admin.serve(sockets=[self.admin_socket] if self.admin_socket else None), name="admin"
+        )
         try:
             await self.main.serve()
         finally:

@@ -92,12 +92,15 @@ def load_rules_file(path: str | os.PathLike[str]) -> RoutingRules:
     return load_rules_text(text, source)
 
 
-def load_rules_text(text: str, source: str = "<string>") -> RoutingRules:
-    """Parse, validate and check a routing YAML document; raises ``RulesError`` with every issue found."""
+def load_rules_text(text: str, source: str = "<string>", stand_ins: Mapping[str, str] | None = None) -> RoutingRules:
+    """Parse, validate and check a routing YAML document; raises ``RulesError`` with every issue found.
+    ``stand_ins``: pool → URL, that pool's endpoints replaced by one endpoint there (``Settings.stand_ins``)."""
     try:
         root, data, issues = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise RulesError([_yaml_issue(exc)], source) from exc
+    if stand_ins and isinstance(data, dict):
+        data = with_stand_ins(data, stand_ins)
 
     if root is None or not isinstance(data, dict):
         got = "an empty document" if root is None else _kind(data)
@@ -159,6 +162,22 @@ def summary(rules: RoutingRules) -> str:
 # ---------------------------------------------------------------------------------------------- YAML
 
 
+def with_stand_ins(data: dict[str, Any], stand_ins: Mapping[str, str]) -> dict[str, Any]:
+    """A parsed routing document whose pools named in ``stand_ins`` have one endpoint each, at that URL (id
+    ``<pool>-sim-0``, no API key): the demo's simulated servers, put in without rewriting the file."""
+    pools = data.get("pools")
+    if not isinstance(pools, list):
+        return data
+    out = []
+    for pool in pools:
+        name = pool.get("name") if isinstance(pool, dict) else None
+        if isinstance(name, str) and name in stand_ins:
+            pool = {k: v for k, v in pool.items() if k != "api_key_env"}
+            pool["endpoints"] = [{"url": stand_ins[name], "weight": 1, "id": f"{name}-sim-0"}]
+        out.append(pool)
+    return {**data, "pools": out}
+
+
 def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any, list[ConfigIssue]]:
     """Compose the node tree (for lines and duplicate keys), then construct the data from it: one parse."""
     loader = yaml.SafeLoader(text)
@@ -182,8 +201,24 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
             message = f"{problem} ({exc.context}" + (f", {where})" if where else ")")
         else:
             message = problem
-        return ConfigIssue("", f"invalid YAML: {message}", exc.problem_mark.line + 1)
+        line = exc.problem_mark.line + 1
+        if any(sign in message for sign in _INDENTATION_SIGNS):
+            message += (
+                f"; usually the indentation of line {line} or the line above it: keys of one mapping start in the "
+                "same column, list items under their key, spaces only"
+            )
+        return ConfigIssue("", f"invalid YAML: {message}", line)
     return ConfigIssue("", f"invalid YAML: {exc}")
+
+
+# What PyYAML says when a line is indented wrong (a key too deep or not deep enough, a tab).
+_INDENTATION_SIGNS = (
+    "mapping values are not allowed",
+    "expected <block end>",
+    "could not find expected ':'",
+    "found character '\\t'",
+    "did not find expected key",
+)
 
 
 def _duplicate_keys(root: yaml.Node) -> list[ConfigIssue]:

@@ -106,8 +106,13 @@ class Settings:
     # Load balancers in front of the gateway, as comma-separated addresses or CIDRs: only a connection from one of
     # them has its X-Forwarded-For kept (and the peer appended); from anyone else the peer's address alone is sent.
     trusted_proxies: str = ""
+    # Stand-in endpoints, "pool=URL,pool=URL": each named pool's endpoints in the routing YAML are replaced by that
+    # one URL whenever the file is loaded (at start and on every reload), the file itself untouched. ``specgate demo``
+    # points the pools at its simulated servers this way, so a user edits and reloads the YAML the demo serves.
+    stand_ins: str = ""
 
     def __post_init__(self) -> None:
+        self.stand_in_urls()  # raises SettingsError when malformed
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be 1..65535, got {self.port}")
         if not 0 <= self.admin_port < 65536:
@@ -185,6 +190,16 @@ class Settings:
             except ValueError as exc:
                 raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from exc
         return cls(**kw)  # type: ignore[arg-type]
+
+    def stand_in_urls(self) -> dict[str, str]:
+        """``stand_ins`` as pool → URL (empty: the YAML's own endpoints)."""
+        out: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in self.stand_ins.split(","))):
+            pool, sep, url = item.partition("=")
+            if not sep or not pool.strip() or not url.strip().startswith(("http://", "https://")):
+                raise SettingsError(f"stand_ins must be pool=http://host:port items, comma-separated; got {item!r}")
+            out[pool.strip()] = url.strip()
+        return out
 
     def to_env(self) -> dict[str, str]:
         out: dict[str, str] = {}

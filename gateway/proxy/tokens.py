@@ -17,10 +17,11 @@ from starlette.responses import Response
 from gateway.errors import GatewayError, InvalidJSON, InvalidParameter, ModelNotFound
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
+from gateway.proxy.http import error_response
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import read_limited
-from gateway.proxy.wire import JSON_CONTENT_TYPE
+from gateway.routing.decision import not_found
 from gateway.routing.plan import Plan
 from gateway.runtime.container import Runtime
 
@@ -53,16 +54,14 @@ async def _forward(request: Request, path: str) -> Response | ProxyExchange:
         live = rt.live
         serving = [p for p in live.pools.values() if model in p.models]
         if not serving:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(model, live.model_set), param="model")
         plan = Plan(tuple(p.name for p in serving if p.routable()), CLASS)
         if plan.empty:
             raise Plan((), CLASS, tuple((p.name, "no routable endpoint") for p in serving)).unavailable()
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(
-            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
-        )
+        return error_response(exc, "POST", path, extra.items())
     rec.route_reason = CLASS
     job = ProxyJob(
         path=path,

@@ -24,7 +24,7 @@ class RouteChoice:
     state: RouteState  # the class's route state: speculative | split | standard
     pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
     share: float  # the class's share of requests sent to the speculative pool first
-    forced: bool = False  # an on-call class route on a class without a controller (``set_forced``)
+    forced: bool = False  # an on-call class route (``set_forced``) decided: ``pick`` is the forced kind
     why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
     pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
     speeds: Mapping[str, float] | None = None  # pool → the class's seconds per output token there, last round

@@ -120,12 +120,29 @@ def _completion_texts(body: Mapping[str, Any]) -> _Texts:
     raise InvalidParameter("'prompt' must be a string, an array of strings or of token ids", param="prompt")
 
 
+def _in_range(body: Mapping[str, Any], key: str, value: float, low: float, high: float = math.inf) -> float:
+    """``value`` (read from ``body[key]``) within [low, high] when the client set it: else the 400 OpenAI answers,
+    naming the field, before any pool sees the request. A default from the YAML is not checked here."""
+    if key in body and body[key] is not None:
+        if value < low:
+            raise InvalidParameter(
+                f"Invalid '{key}': below minimum value. Expected a value >= {low:g}, but got {value:g} instead.",
+                param=key,
+            )
+        if value > high:
+            raise InvalidParameter(
+                f"Invalid '{key}': above maximum value. Expected a value <= {high:g}, but got {value:g} instead.",
+                param=key,
+            )
+    return value
+
+
 def _n_of(body: Mapping[str, Any]) -> int:
     n_raw = body.get("n")
     if n_raw is None:
         return 1
     if isinstance(n_raw, int) and not isinstance(n_raw, bool):
-        return n_raw
+        return int(_in_range(body, "n", n_raw, 1))
     raise InvalidParameter("'n' must be an integer", param="n")
 
 
@@ -257,8 +274,8 @@ class Classifier:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidParameter("'model' is required and must be a string", param="model")
-        temperature = _number(body, "temperature", self._default_temperature)
-        top_p = _number(body, "top_p", self._default_top_p)
+        temperature = _in_range(body, "temperature", _number(body, "temperature", self._default_temperature), 0, 2)
+        top_p = _in_range(body, "top_p", _number(body, "top_p", self._default_top_p), 0, 1)
         stream_raw = body.get("stream", False)
         if stream_raw is None:
             stream_raw = False
@@ -277,7 +294,9 @@ class Classifier:
         else:
             max_tokens = _number(body, "max_completion_tokens", math.nan)
             if math.isnan(max_tokens):
-                max_tokens = _number(body, "max_tokens", math.inf)
+                max_tokens = _in_range(body, "max_tokens", _number(body, "max_tokens", math.inf), 1)
+            else:
+                _in_range(body, "max_completion_tokens", max_tokens, 1)
             n = _n_of(body)
             tools_raw = body.get("tools")
             tools = isinstance(tools_raw, list) and len(tools_raw) > 0

@@ -7,7 +7,7 @@ client errors (unknown model, no pool for embeddings, bad parameters) exactly as
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,11 +45,24 @@ class Decision:
     klass: TrafficClass | None = None
     choice: RouteChoice | None = None  # the class controller's answer; None without a controller
     unknown_model: str | None = None  # the requested model when no pool serves it (the plan is empty)
+    served: frozenset[str] = frozenset()  # with unknown_model: the models the pools serve, for the 404's message
 
     def check_model(self) -> None:
         """Raise the 404 for a model no pool serves (after the caller has recorded the class)."""
         if self.unknown_model is not None:
-            raise ModelNotFound(f"The model `{self.unknown_model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(self.unknown_model, self.served), param="model")
+
+
+MAX_LISTED_MODELS = 20  # a 404's message names at most this many served models
+
+
+def not_found(model: object, served: Collection[str]) -> str:
+    """The 404 message for a model no pool serves, naming the ones served (as ``GET /v1/models`` lists them)."""
+    names = sorted(served)
+    listed = ", ".join(names[:MAX_LISTED_MODELS]) + (
+        f" and {len(names) - MAX_LISTED_MODELS} more" if len(names) > MAX_LISTED_MODELS else ""
+    )
+    return f"The model `{model}` does not exist. Models served here: {listed or 'none'} (GET /v1/models)."
 
 
 def decide(
@@ -71,14 +84,16 @@ def decide(
         if pool_name is None:
             raise RouteNotFound("this gateway has no pool for embeddings")
         if not isinstance(model, str) or model not in live.pools[pool_name].models:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(model, live.pools[pool_name].models), param="model")
         plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
         return Decision("embeddings", plan, stream=False, max_attempts=1)
     c = live.classifier.classify(endpoint, body, task_header)
     f = c.features
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
-        return Decision(c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model)
+        return Decision(
+            c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
+        )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
     plan = plan_route(
         c.traffic_class.route,
@@ -91,6 +106,7 @@ def decide(
         probe=choice is not None and choice.why == "probe",
         speeds=None if choice is None else choice.speeds,
         visitor=choice is not None and choice.why == "spill",
+        why=None if choice is None else choice.why,
     )
     return Decision(
         c.traffic_class.name,

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from gateway.config.schema import Route
 from gateway.errors import NoCapacity
 
+# The route reason of a Responses API follow-up: it goes only to the endpoint holding its conversation.
+STICKY = "sticky"
+
 # Skip reasons that no client retry can change (only a config change or an operator can).
 PERMANENT_SKIPS = frozenset({"unknown pool", "model not served", "drained"})
 
@@ -36,10 +39,11 @@ class PoolView:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The ordered pools a request may try, and why the first was chosen (``reason``: ``preferred``,
-    ``saturated``, ``<pool> unavailable``, a controller's pick, ...). ``skipped`` names the pools left out and why
-    (an empty plan answers 503 from it); ``models`` the pools asked for another model (``route.fallback_model``);
-    ``ttft_deadline_s`` the class's first-event deadline for streams. Pure data, built by ``plan_route``."""
+    """The ordered pools a request may try, and why the first was chosen (``reason``, see ``route_reason``: the
+    one value the route header, the access log, the route metric and explain show). ``skipped`` names the pools
+    left out and why (an empty plan answers 503 from it); ``models`` the pools asked for another model
+    (``route.fallback_model``); ``ttft_deadline_s`` the class's first-event deadline for streams. Pure data,
+    built by ``plan_route``."""
 
     pools: tuple[str, ...]
     reason: str
@@ -135,6 +139,7 @@ def plan_route(
     probe: bool = False,
     speeds: Mapping[str, float] | None = None,
     visitor: bool = False,
+    why: str | None = None,
 ) -> Plan:
     """Order the candidate pools for one request of a class, by the class's route and the pools' state.
 
@@ -157,31 +162,32 @@ def plan_route(
 
     A class with ``route.pin`` never gets a pool of the other kind in its plan (skipped: ``pinned to <kind>``).
 
-    ``forced``: an on-call class route on a class without a controller (``route_state`` is the forced kind): the
-    first pool of that kind among the route's pools (preferred, saturated, fallback) goes first, the others keep
-    their order after it (reason ``forced:<kind>``); no saturation spill.
+    ``why``: the controller's reason for the draw when it is not the load (``guard``, ``stale``): it shows in the
+    reason (``controller:guard:<kind>``).
+
+    ``forced``: an on-call class route (``route_state`` is the forced kind): the controller's candidate of that
+    kind, else the first pool of that kind among the route's pools (preferred, saturated, fallback), goes first,
+    the others keep their order after it (reason ``forced:<kind>``); no saturation spill.
     """
-    if forced and route_state is not None:
-        return _forced_plan(route, model, pools, route_state)
-    preferred = pools.get(route.preferred)
-    reason = "preferred"
-    order: list[str] = [route.preferred]
     if route_state is None:
         candidates = None
     elif candidates is None:
         candidates = controller_candidates(route, pools)
+    if forced and route_state is not None:
+        return _forced_plan(route, model, pools, route_state, candidates)
+    preferred = pools.get(route.preferred)
+    decided = "preferred"
+    order: list[str] = [route.preferred]
     if candidates is not None and route_state is not None and route_state in candidates:
         first = candidates[route_state]
         # the other candidate is the next attempt only where the route names it (a balancing class whose other
         # pool came from "any pool of the model" takes a share there, but "fallback: []" still means no retry)
         named = {route.preferred, route.saturated, *route.fallback}
         order = [first] + [n for n in candidates.values() if n != first and n in named]
-        reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
-        if probe:
-            reason = f"controller:probe:{route_state}"
+        decided = "probe" if probe else why if why in ("guard", "stale") else "split" if split else "controller"
         if visitor and first != route.preferred and full_for_visitors(pools.get(first)):
             order = [route.preferred] + ([first] if first in named else [])
-            reason = f"controller:{route_state}:full"
+            decided = "full"
     if (
         (candidates is None or order[0] == route.preferred)
         and route.saturated is not None
@@ -189,22 +195,52 @@ def plan_route(
         and should_spill(route, preferred, pools.get(route.saturated), speeds)
     ):
         order = [route.saturated, route.preferred]
-        reason = "saturated"
+        decided = "saturated"
     order.extend(route.fallback)
-    return _plan(route, model, pools, order, reason)
+    return _plan(route, model, pools, order, decided, route_state)
 
 
-def _forced_plan(route: Route, model: str, pools: Mapping[str, PoolView], kind: str) -> Plan:
+def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | None = None) -> str:
+    """The one route reason of a plan (the ``x-specgate-route`` header, the access log's ``route_reason``, the
+    ``specgate_route_decisions_total`` label and explain's ``plan.reason``): what put the first pool first.
+
+    ``decided``: what ordered the pools (``preferred``, ``saturated``, ``forced``, or the class controller's
+    ``controller`` / ``split`` / ``probe`` / ``guard`` / ``stale`` / ``full``), ``kind`` the pool kind it picked.
+    ``displaced``: (the pool it put first, why that pool was left out) when another pool goes first: then what
+    decided is that pool's absence, ``<pool> drained`` (an on-call drain) or ``<pool> unavailable`` (no routable
+    endpoint, the model not served, ...; explain's ``skipped`` says which)."""
+    if displaced is not None:
+        pool, why = displaced
+        return f"{pool} drained" if why == "drained" else f"{pool} unavailable"
+    if decided in ("preferred", "saturated") or kind is None:
+        return decided
+    if decided == "forced":
+        return f"forced:{kind}"
+    if decided == "controller":
+        return f"controller:{kind}"
+    if decided == "full":
+        return f"controller:{kind}:full"
+    return f"controller:{decided}:{kind}"  # split, probe, guard, stale
+
+
+def _forced_plan(
+    route: Route, model: str, pools: Mapping[str, PoolView], kind: str, candidates: Mapping[str, str] | None
+) -> Plan:
     names = [route.preferred] + ([route.saturated] if route.saturated is not None else []) + list(route.fallback)
     order = list(dict.fromkeys(names))
-    first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
+    first = None if candidates is None else candidates.get(kind)
+    if first is None:
+        first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
     if first is not None:
-        order.remove(first)
+        if first in order:
+            order.remove(first)
         order.insert(0, first)
-    return _plan(route, model, pools, order, f"forced:{kind}")
+    return _plan(route, model, pools, order, "forced", kind)
 
 
-def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], reason: str) -> Plan:
+def _plan(
+    route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], decided: str, kind: str | None
+) -> Plan:
     chosen: list[str] = []
     other_model: list[str] = []  # fallback pools that serve route.fallback_model instead: tried last
     skipped: list[tuple[str, str]] = []
@@ -227,7 +263,9 @@ def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[s
         else:
             (chosen if serves else other_model).append(name)
     final = chosen + other_model
-    if final and final[0] != order[0] and reason == "preferred":
-        reason = f"{order[0]} unavailable"
+    displaced = None
+    if final and final[0] != order[0]:
+        displaced = (order[0], next((why for name, why in skipped if name == order[0]), "unavailable"))
+    reason = route_reason(decided, kind, displaced)
     models = tuple((name, alt) for name in other_model if alt is not None)
     return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s)

@@ -57,12 +57,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry
 
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.observability.logs import log_event
 from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
@@ -157,6 +157,10 @@ class RoutingState:
         else:
             state, share = ctl.state, ctl.share
         pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
+        forced = self._forced.get(class_name)
+        if forced is not None:  # an on-call force decides, not the controller's share, probe or guard
+            kind = forced[0]
+            return RouteChoice(ctl.state, kind, ctl.share, forced=True, why="forced", pools=pools, speeds=c.speeds)
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
@@ -312,13 +316,10 @@ class RoutingState:
         self.probe_share.labels(name).set(share)
         detail = "acceptance never measured and the speculative pool has headroom" if share > 0 else "probing stopped"
         change = ProbeChange(name, share, now, detail)
-        logger.info(
-            orjson.dumps(
-                {"event": "controller_probe", "class": name, "share": share, "at": now, "detail": detail}
-            ).decode()
-        )
-        if self._on_probe is not None:
+        if self._on_probe is not None:  # its owner records it (the audit log, one line): not logged twice
             self._on_probe(change)
+            return
+        log_event(logger, "controller_probe", {"class": name, "share": share, "at": now, "detail": detail})
 
     def _observation(
         self,
@@ -397,8 +398,10 @@ class RoutingState:
     def _record(self, t: Transition) -> None:
         self.transitions.labels(t.class_name, t.from_state, t.to_state, t.reason).inc()
         self._set_gauge(t.class_name, t.to_state, t.share)
+        if self._on_transition is not None:  # its owner records it (the audit log, one line): not logged twice
+            self._on_transition(t)
+            return
         line = {
-            "event": "controller_transition",
             "class": t.class_name,
             "from": t.from_state,
             "to": t.to_state,
@@ -407,23 +410,20 @@ class RoutingState:
             "at": t.at,
             "detail": t.detail,
         }
-        logger.info(orjson.dumps(line).decode())
-        if self._on_transition is not None:
-            self._on_transition(t)
+        log_event(logger, "controller_transition", line)
 
     def _step(self, class_name: str, before: float, controller: Controller) -> None:
         """A share step within ``split``: the share gauge and a log line (not a transition)."""
         self.share.labels(class_name).set(controller.share)
         snap = controller.snapshot()
         line = {
-            "event": "controller_step",
             "class": class_name,
             "share_from": before,
             "share": controller.share,
             "reason": snap.last_reason,
             "at": snap.share_since,
         }
-        logger.info(orjson.dumps(line).decode())
+        log_event(logger, "controller_step", line)
 
     def _set_gauge(self, class_name: str, state: RouteState, share: float) -> None:
         for s in STATES:

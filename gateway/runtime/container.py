@@ -270,7 +270,7 @@ class Runtime:
         """Load and validate the routing YAML; raises ``RulesError`` with every problem found."""
         path = Path(settings.rules)
         text = path.read_text()
-        rules = load_rules_text(text, source=str(path))
+        rules = load_rules_text(text, source=str(path), stand_ins=settings.stand_in_urls())
         return cls(settings, LiveConfig.build(rules, str(path), text))
 
     async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:

@@ -156,6 +156,14 @@ def parse_request(
                 "Please reduce the length of the input prompt.",
                 param="input_tokens",
             )
+        if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:  # vLLM refuses, never clamps
+            raise WireError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+                f"({max_tokens} > {max_model_len} - {prompt_tokens}).",
+                param="max_tokens",
+            )
         prompt_seed = base_seed if len(prompts) == 1 else request_seed(model, {**body, "prompt": prompt})
         for i in range(n):
             seed = (prompt_seed + i * 0x9E3779B97F4A7C15) % (1 << 64)

@@ -228,8 +228,11 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
     page.click("#confirm-ok")
     expect(page.locator("#confirm-error")).to_contain_text("A reason is required")
     shot(page, "drain-dialog.png", full=False)
+    page.fill("#confirm-reason", "INC")
+    expect(page.locator("#confirm-error")).to_have_text("")  # the warning goes once there is a reason
     confirm(page, "INC-42: spec pool maintenance")
     expect(page.locator("#banner")).to_contain_text("Pool spec drained")
+    expect(spec).to_contain_text("INC-42: spec pool maintenance")  # the pool card says why it is drained
 
     row = page.locator("#overrides tbody tr").filter(has_text="drain pool spec")
     expect(row).to_be_visible()
@@ -308,7 +311,9 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
         issues = page.locator("#confirm-issues li")
         expect(issues.filter(has_text="classes[0].route.fallback[0]")).to_have_count(1)
         expect(issues.filter(has_text="classes[1].route.preferred")).to_have_count(1)
-        expect(page.locator("#confirm-error")).to_contain_text("422 invalid_config:")
+        refused = "422 invalid_config: 2 problem(s) in the file; nothing changed."
+        expect(page.locator("#confirm-error")).to_have_text(refused)
+        expect(page.locator("#confirm-error")).not_to_contain_text("classes[0]")  # each error once, in the list
         shot(page, "reload-refused.png", full=False)
         page.click("#confirm-cancel")
     finally:

@@ -248,7 +248,7 @@ async def test_class_route_forces_the_controller_for_the_ttl() -> None:
     assert snap["forced_until"] == pytest.approx(clock() + 120)
     choice = r.routing.choose("code", random.Random(1))
     assert choice is not None
-    assert (choice.pick, choice.forced) == ("standard", False)
+    assert (choice.pick, choice.forced, choice.why) == ("standard", True, "forced")  # the force decided, not the share
     await r.mgr.remove(lambda o: True, actor="t", reason="auto", action="class_route_auto")
     assert r.routing.snapshot()["code"]["forced_until"] is None  # released: the controller decides again
 

@@ -12,6 +12,7 @@ import pytest
 
 from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.observability.logs import JsonFormatter
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.route_state import RoutingState
 
@@ -97,7 +98,7 @@ def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: p
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "standard"}) == 1
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) == 0
     (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
-    line = orjson.loads(record.getMessage())
+    line = orjson.loads(JsonFormatter().format(record))
     assert line["class"] == "code"
     assert (line["from"], line["to"], line["reason"]) == ("speculative", "standard", "load")
     # and back when the load is gone
@@ -198,7 +199,7 @@ def test_a_split_class_sends_its_share_to_the_speculative_pool_with_a_gauge_and_
         assert rs.on_scrape_round(2.0, BUSY) == []  # a step within split: not a transition
     assert sample(m, "specgate_class_speculative_share", {"class": "code"}) == 0.5
     (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
-    line = orjson.loads(record.getMessage())
+    line = orjson.loads(JsonFormatter().format(record))
     assert (line["event"], line["share_from"], line["share"], line["reason"]) == ("controller_step", 0.75, 0.5, "load")
     # explain-style lookups do not count toward the samples
     before = rs.snapshot()["code"]["last_observation"]["samples"]

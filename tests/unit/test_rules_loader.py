@@ -292,3 +292,19 @@ def test_default_yaml_decision_matrix(features: dict[str, object], cls: str, poo
     if pool == "speculative":
         assert route.saturated == "standard"
         assert route.saturation.max_inflight_per_endpoint is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("version: 1\npools:\n  - name: a\n    kind: standard\n     models: [m]\n", 5),  # a key one column too deep
+        ("version: 1\npools:\n  - name: a\n    kind: standard\n   models: [m]\n", 5),  # ... one too shallow
+        ("a:\n\tb: 1\n", 2),  # a tab
+    ],
+)
+def test_an_indentation_mistake_names_its_line_and_says_what_to_check(text: str, line: int) -> None:
+    with pytest.raises(RulesError) as info:
+        load_rules_text(text)
+    (issue,) = info.value.issues
+    assert issue.line == line
+    assert f"usually the indentation of line {line}" in issue.message
