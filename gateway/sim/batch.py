@@ -182,7 +182,7 @@ class Batch:
         running = self._running
         back = back_prefill = 0
         while need > self._free_blocks:
-            victim = max(running, key=rank)
+            victim = max(reversed(running), key=rank)  # ties (same arrival time): the last admitted, as under fcfs
             if running.index(victim) < i:
                 i -= 1
             if victim in decodes:

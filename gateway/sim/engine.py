@@ -7,7 +7,9 @@ prefilling (chunked prefill), then waiting requests while ``running < max_num_se
 sequence when speculative) allow. With prefix caching (on by default, as in vLLM V1) a request's cached prefix
 is not prefilled again (``batch``); the cache's changes go to ``on_kv_events`` after every step.
 A decode that finds the KV cache full preempts the newest running sequence back to the front of the queue (its KV
-is dropped and recomputed later, as vLLM's recompute preemption does). K comes from the speculative config, per
+is dropped and recomputed later, as vLLM's recompute preemption does). Under ``scheduling_policy="priority"`` the
+queue is ordered by the request's priority, then arrival (``request_queue``), and the running sequence of lowest
+priority is the one preempted (``Batch._preempt_lowest``). K comes from the speculative config, per
 number of scheduled requests when it has ``num_speculative_tokens_per_batch_size``.
 
 The step lasts ``physics.step_time``; the loop sleeps until the simulated clock reaches its end, then emits: a
