@@ -1,7 +1,7 @@
 """What the routing state keeps per controlled traffic class, and the values it hands out: one request's
 ``RouteChoice``, a ``ProbeChange``, the window bookkeeping (``ClassTrack``), the window mean of a class's
 observations (``windowed``) and the route state's metric families (``RouteMetrics``). Used by
-``gateway.routing.route_state``."""
+``gateway.routing.routing_state``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.config.schema import PoolKind
-from gateway.routing.controller import Controller, Observation, RouteState
-from gateway.routing.estimate import Estimate
+from gateway.routing.controller import Controller
+from gateway.routing.controller_rules import RouteState
+from gateway.routing.estimate import Estimate, Observation
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,11 @@ class RouteChoice:
     share: float  # the class's share of requests sent to the speculative pool first
     forced: bool = False  # an on-call class route (``set_forced``) decided: ``pick`` is the forced kind
     why: Why = "home"  # why this request drew ``pick`` (explain, the route header)
-    pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two candidates
+    pools: tuple[tuple[str, str], ...] = ()  # (kind, pool) of the controller's two pools
     speeds: Mapping[str, float] | None = None  # pool → the class's seconds per output token there, last round
+    # a draw away from home by load (why "spill"): the in-flight per endpoint at which that pool sends visitors
+    # home (gateway.routing.ownership.visitor_limit; None: not a visitor, or no limit)
+    visitor_limit: int | None = None
 
 
 Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]
@@ -45,7 +49,7 @@ class ProbeChange:
 
 @dataclass(slots=True)
 class ClassTrack:
-    """One controlled class: its controller, its candidate pools and its window counters."""
+    """One controlled class: its controller, its two pools and its window counters."""
 
     controller: Controller
     spec_pool: str
@@ -68,13 +72,20 @@ class ClassTrack:
     history: deque[tuple[float, float, float, float]] = field(default_factory=deque)
     # (time, observation) of the fresh rounds in the window: the controller sees their mean, not one noisy scrape
     fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
+    # visitors of this class on its pool away from home go home from this many in flight per endpoint there
+    visitor_limit: int | None = None
+
+    @property
+    def away_pool(self) -> str:
+        """The class's pool away from home."""
+        return self.std_pool if self.controller.home == "speculative" else self.spec_pool
 
 
 def windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: float, obs: Observation) -> Observation:
     """``obs`` with its delays, queue and batch averaged over the fresh rounds of the last ``window_s``: one
     scrape of a queue under Poisson arrivals is noise, and a decision on it flaps. A stale or incomplete round
     passes as it is (the controller reacts to missing data at once) and empties the window."""
-    if obs.stale or obs.spec_delay_s is None or obs.alt_delay_s is None:
+    if obs.stale or obs.spec_cost_s is None or obs.std_cost_s is None:
         fresh.clear()
         return obs
     fresh.append((now, obs))
@@ -88,8 +99,8 @@ def windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: floa
 
     return replace(
         obs,
-        spec_delay_s=mean([o.spec_delay_s for o in rounds]),
-        alt_delay_s=mean([o.alt_delay_s for o in rounds]),
+        spec_cost_s=mean([o.spec_cost_s for o in rounds]),
+        std_cost_s=mean([o.std_cost_s for o in rounds]),
         spec_queue=mean([o.spec_queue for o in rounds]) if obs.spec_queue is not None else None,
         spec_batch=mean([o.spec_batch for o in rounds]) if obs.spec_batch is not None else None,
     )

@@ -35,7 +35,7 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
-from gateway.routing.route_state import ProbeChange, RoutingState
+from gateway.routing.routing_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult

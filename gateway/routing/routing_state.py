@@ -6,7 +6,7 @@ read on the hot path (``state_for_request``: one dict lookup and one integer inc
 
 Per controlled class and round it builds one ``Observation`` of the class's two candidate pools (its home,
 ``route.preferred``, and the first pool of the other kind among route.saturated, route.fallback, then all pools:
-``RoutingRules.candidates``):
+``RoutingRules.controller_pools``):
 
 - samples: the class's requests routed in the last ``controller.window_s`` (counted by ``choose``, differenced
   against per-round snapshots; a cluster's leader adds the other replicas'), or all of them since the class's share
@@ -30,7 +30,7 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
 Order: a class is outranked on its speculative pool while a speculative-home class there with clearly more
-acceptance is partly off it (``gateway.routing.order``, from the last round's standings); its observation says so
+acceptance is partly off it (``gateway.routing.ownership``, from the last round's standings); its observation says so
 and its controller takes nothing onto that pool and hands back its share there first.
 
 Probes: while a class's controller says so (``Controller.probe_share``), ``choose`` sends that share of a class
@@ -67,15 +67,17 @@ from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
-from gateway.routing.controller import Controller, Observation, RouteState, Transition
+from gateway.routing.controller import Controller, Transition
+from gateway.routing.controller_rules import RouteState
 from gateway.routing.estimate import (
     AcceptanceSource,
+    Observation,
     estimate,
     per_token_acceptance,
     prior_rate,
     rate_from_per_token,
 )
-from gateway.routing.order import outranked, standing_of
+from gateway.routing.ownership import outranked, standing_of, visitor_limit, visitor_limits
 
 logger = logging.getLogger("specgate.controller")
 
@@ -167,7 +169,9 @@ class RoutingState:
             if count:
                 self.probes.labels(class_name).inc()
             return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
-        return RouteChoice(state, pick, share, why=_why(ctl, pick), pools=pools, speeds=c.speeds)
+        why = _why(ctl, pick)
+        limit = c.visitor_limit if why == "spill" else None
+        return RouteChoice(state, pick, share, why=why, pools=pools, speeds=c.speeds, visitor_limit=limit)
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
@@ -257,6 +261,7 @@ class RoutingState:
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
             self.adopt({})
         out: list[Transition] = []
+        window: dict[str, float] = {}  # each class's requests in its last window (cluster-wide)
         ranks = outranked(
             standing_of(name, c.spec_pool, c.controller, c.estimates[0]) for name, c in self._classes.items()
         )
@@ -271,6 +276,7 @@ class RoutingState:
             while len(c.history) > 1 and c.history[1][0] <= now - cfg.window_s:
                 c.history.popleft()
             _, base_requests, base_drafted, base_accepted = c.history[0]
+            window[name] = requests - base_requests
             # Other replicas' totals move when one joins or leaves: a window never counts less than nothing.
             d_drafted = n_drafted - base_drafted
             d_accepted = max(0.0, min(d_drafted, n_accepted - base_accepted))
@@ -305,6 +311,10 @@ class RoutingState:
             elif c.controller.share != before:
                 self._step(name, before, c.controller)
             self._probe(name, c, now)
+        # A class without a controller is not counted: it carries traffic as far as anyone knows.
+        limits = visitor_limits(rules, lambda cls: window.get(cls, 1.0) > 0)
+        for c in self._classes.values():
+            c.visitor_limit = limits.get(c.away_pool)
         return out
 
     def _probe(self, name: str, c: ClassTrack, now: float) -> None:
@@ -335,7 +345,7 @@ class RoutingState:
         if spec is None or std is None:  # not scraped yet: unknown, never 0
             c.estimates, c.speeds = (None, None), None
             return Observation(
-                samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
+                samples=samples, spec_cost_s=None, std_cost_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
             )
         spec_m, std_m = self._speeds.tpot(spec), self._speeds.tpot(std)
         # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
@@ -358,8 +368,8 @@ class RoutingState:
         n = spec.fresh_endpoints
         return Observation(
             samples=samples,
-            spec_delay_s=None if spec_est is None else spec_est.cost_s,
-            alt_delay_s=None if std_est is None else std_est.cost_s,
+            spec_cost_s=None if spec_est is None else spec_est.cost_s,
+            std_cost_s=None if std_est is None else std_est.cost_s,
             spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
             spec_batch=None if spec.running is None or n == 0 else spec.running / n,
             acceptance=acceptance,
@@ -433,7 +443,7 @@ class RoutingState:
     # -- config ----------------------------------------------------------------------------------------------
 
     def _sync(self, now: float) -> None:
-        """Match the controllers to the current rules: a new or changed controller config (or home, or candidate
+        """Match the controllers to the current rules: a new or changed controller config (or home, or its two
         pools) gets a new controller that keeps the current share; a class that lost its controller or is gone is
         forgotten."""
         rules = self._rules()
@@ -441,7 +451,7 @@ class RoutingState:
         wanted: dict[str, tuple[ControllerConfig, str, str, PoolKind, TrafficClass]] = {}
         for cls in rules.classes:
             cfg = rules.controller_of(cls)
-            pair = rules.candidates(cls) if cfg is not None else None
+            pair = rules.controller_pools(cls) if cfg is not None else None
             if cfg is None or pair is None:
                 continue
             home: PoolKind = "speculative" if kinds.get(cls.route.preferred) == "speculative" else "standard"
@@ -477,12 +487,14 @@ class RoutingState:
                 controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count, prior_fixed=fixed,
                 seen_acceptance=None if old is None else old.seen_acceptance,
             )  # fmt: skip
+            # until a round has counted the traffic: every class at home there counts
+            self._classes[name].visitor_limit = visitor_limit(rules, self._classes[name].away_pool)
             self._set_gauge(name, controller.state, controller.share)
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
 
     def expected_s(self, name: str) -> tuple[tuple[str, float], ...]:
-        """(pool, expected completion seconds) of class ``name``'s candidates in the last scrape round (traces)."""
+        """(pool, expected completion seconds) of class ``name``'s two pools in the last scrape round (traces)."""
         c = self._classes.get(name)
         return () if c is None else tuple((e.pool, e.expected_s) for e in c.estimates if e is not None)
 
