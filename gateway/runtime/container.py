@@ -161,7 +161,7 @@ class Runtime:
     def _audit_transition(self, t: Transition) -> None:
         if self.cluster is not None and self.cluster.role == "follower":
             return  # the leader audits the cluster's transitions once (a follower's come from on-call forces)
-        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
+        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail, "rule": t.rule}
         self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
         )
