@@ -8,7 +8,7 @@ JSON-able dict::
     features        every routing feature (max_tokens null when the client set no limit); null for embeddings
     task_type       and task_source (header | rule | default)
     traffic_class   name, description, route (preferred / saturated / fallback / saturation), controlled
-    controller      the class controller's snapshot (gateway.routing.route_state), or null for a static route
+    controller      the class controller's snapshot (gateway.routing.routing_state), or null for a static route
     choice          the controller's answer for this request (state, pick, share, why: home | spill | probe | guard |
                     forced | stale, probe_share), or null
     expected_completion  per candidate pool: the class's expected completion time in the last scrape round and its
@@ -48,7 +48,8 @@ from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
-from gateway.routing.plan import STICKY, Plan, is_saturated
+from gateway.routing.ownership import is_saturated
+from gateway.routing.plan import STICKY, Plan
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig

@@ -76,6 +76,8 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             text += f", last change: {ctl['last_reason']}"
         if ctl.get("holding"):
             text += f", holding: {ctl['holding']}"
+        if ctl.get("rule"):
+            text += f", decided by rule {ctl['rule']}"
         if ctl.get("guard_tripped"):
             text += f", fallback guard tripped ({ctl.get('guard_cause')})"
         if ctl.get("probe_share"):
@@ -90,8 +92,8 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             lines.append(
                 "[bold]last observation[/] "
                 + escape(
-                    f"expected completion speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
-                    f"{cell(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
+                    f"cost speculative {cell(obs.get('spec_cost_s'), ' s', digits=3)} vs standard "
+                    f"{cell(obs.get('std_cost_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
                     f"{cell(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
                 )
             )

@@ -6,8 +6,8 @@ Three stages, each collecting every problem it finds before giving up:
    silently resolve to the last value, are reported.
 2. The pydantic schema (``gateway.config.schema``). Its errors are rewritten for humans, with paths like
    ``classes[2].route.fallback[0]`` (alias names, e.g. ``in``).
-3. Semantic checks that need the whole document (``check_rules``): pool references, unique names, the
-   catch-all class, known task types and condition values.
+3. Semantic checks that need the whole document (``gateway.config.checks.semantic_issues``): pool references,
+   unique names, the catch-all class, known task types and condition values.
 
 The line of an error comes from the composed YAML node tree, walked along the error's path as deep as it goes.
 """
@@ -142,11 +142,6 @@ def pool_key_issues(rules: RoutingRules, environ: Mapping[str, str] | None = Non
                 )
             )
     return out
-
-
-def check_rules(rules: RoutingRules) -> list[ConfigIssue]:
-    """The semantic checks alone, for rules built in code (no YAML, so no line numbers)."""
-    return [ConfigIssue(format_path(loc), msg) for loc, msg in semantic_issues(rules)]
 
 
 def summary(rules: RoutingRules) -> str:

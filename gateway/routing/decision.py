@@ -16,7 +16,7 @@ from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
 from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
 from gateway.routing.plan import Plan, PoolView, plan_route
-from gateway.routing.route_state import RouteChoice, RoutingState
+from gateway.routing.routing_state import RouteChoice, RoutingState
 
 
 class RoutingInputs(Protocol):
@@ -99,13 +99,13 @@ def decide(
         c.traffic_class.route,
         f.model,
         live.views(),
-        route_state=None if choice is None else choice.pick,
+        pick=None if choice is None else choice.pick,
         split=choice is not None and choice.state == "split",
         forced=choice is not None and choice.forced,
-        candidates=None if choice is None or not choice.pools else dict(choice.pools),
+        by_kind=None if choice is None or not choice.pools else dict(choice.pools),
         probe=choice is not None and choice.why == "probe",
         speeds=None if choice is None else choice.speeds,
-        visitor=choice is not None and choice.why == "spill",
+        visitor_limit=None if choice is None else choice.visitor_limit,
         why=None if choice is None else choice.why,
     )
     return Decision(

@@ -35,7 +35,7 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
-from gateway.routing.route_state import ProbeChange, RoutingState
+from gateway.routing.routing_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.reload import Reloader, ReloadResult
@@ -161,7 +161,7 @@ class Runtime:
     def _audit_transition(self, t: Transition) -> None:
         if self.cluster is not None and self.cluster.role == "follower":
             return  # the leader audits the cluster's transitions once (a follower's come from on-call forces)
-        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
+        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail, "rule": t.rule}
         self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
         )

@@ -17,7 +17,7 @@ import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config.settings import Settings
-from gateway.routing.controller import RouteState
+from gateway.routing.controller_rules import RouteState
 from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeConfig
 from gateway.testing.fake_upstream.app import create_fake_upstream

@@ -14,7 +14,7 @@ from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.logs import JsonFormatter
 from gateway.observability.metrics import GatewayMetrics
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 
 POOLS: list[dict[str, Any]] = [
     {
@@ -156,7 +156,7 @@ def test_an_idle_pool_borrows_the_other_candidates_tpot() -> None:
     idle_std = {"spec": view("spec", tpot=0.001), "std": view("std", running=0, tpot=float("nan"))}
     assert rs.on_scrape_round(1.0, idle_std) == []  # with the 30 ms default the idle pool would look faster
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["alt_delay_s"] == pytest.approx(0.001 * 257)
+    assert obs["std_cost_s"] == pytest.approx(0.001 * 257)
 
 
 def test_a_reload_without_the_controller_forgets_the_class() -> None:
@@ -177,8 +177,8 @@ def test_an_idle_pool_keeps_its_last_measured_tpot() -> None:
     rs.on_scrape_round(1.0, {"spec": view("spec", tpot=0.004), "std": view("std", tpot=0.01)})
     rs.on_scrape_round(2.0, {"spec": view("spec", running=0, tpot=float("nan")), "std": view("std", tpot=0.01)})
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["spec_delay_s"] == pytest.approx(0.004 * 257)
-    assert obs["alt_delay_s"] == pytest.approx(0.01 * 257)
+    assert obs["spec_cost_s"] == pytest.approx(0.004 * 257)
+    assert obs["std_cost_s"] == pytest.approx(0.01 * 257)
 
 
 def test_a_split_class_sends_its_share_to_the_speculative_pool_with_a_gauge_and_a_step_line(
@@ -253,7 +253,7 @@ def test_the_controller_sees_the_window_mean_of_the_delays_not_one_noisy_scrape(
     rs.choose("code", RNG)
     assert rs.on_scrape_round(4.0, spiky) == []  # alone it reads 1.75 x standard's delay: over the exit margin
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["spec_delay_s"] == pytest.approx((3 * 0.01 * 257 + (3 * 2.56 / 4 + 0.01 + 2.56)) / 4)
+    assert obs["spec_cost_s"] == pytest.approx((3 * 0.01 * 257 + (3 * 2.56 / 4 + 0.01 + 2.56)) / 4)
     # a sustained burst moves it
     for t in (5.0, 6.0, 7.0):
         rs.choose("code", RNG)

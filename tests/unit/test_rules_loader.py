@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config.checks import format_path, semantic_issues
 from gateway.config.loader import (
     ConfigIssue,
     RulesError,
-    check_rules,
     load_rules_file,
     load_rules_text,
     summary,
@@ -98,7 +98,7 @@ def test_invalid_fixture(name: str, expected: tuple[str, str, int | None]) -> No
 def test_valid_fixture(source: Path) -> None:
     rules = load_rules_file(source)
     assert rules.classes[-1].when.is_empty()
-    assert check_rules(rules) == []
+    assert list(semantic_issues(rules)) == []
 
 
 @pytest.mark.parametrize("source", SHIPPED, ids=lambda p: p.name)
@@ -195,12 +195,13 @@ def test_unreadable_file() -> None:
     assert "cannot read the file" in str(info.value)
 
 
-def test_check_rules_without_yaml_has_no_lines() -> None:
+def test_semantic_issues_of_rules_built_in_code() -> None:
     rules = load_rules_text(MINIMAL)
     broken = rules.model_copy(
         update={"classes": [TrafficClass.model_validate({"name": "x", "route": {"preferred": "nope"}})]}
     )
-    assert check_rules(broken) == [ConfigIssue("classes[0].route.preferred", 'unknown pool "nope" (known: standard)')]
+    issues = [(format_path(loc), msg) for loc, msg in semantic_issues(broken)]
+    assert issues == [("classes[0].route.preferred", 'unknown pool "nope" (known: standard)')]
 
 
 # ------------------------------------------------------------------------------------------- content
