@@ -58,7 +58,10 @@ def sims() -> Iterator[tuple[SimServer, SimServer]]:
 
 
 def controlled_rules(spec_url: str, std_url: str) -> dict[str, Any]:
-    rules = rules_for([spec_url], [std_url], scrape={"interval_s": 0.25, "timeout_s": 0.25, "window_s": 1.0})
+    # A scrape or two that time out on a loaded machine must not send the class to its safe state (a return home
+    # that is not the load step this test watches): a sample stays fresh for 2 s.
+    scrape = {"interval_s": 0.25, "timeout_s": 0.25, "stale_after_s": 2.0, "window_s": 1.0}
+    rules = rules_for([spec_url], [std_url], scrape=scrape)
     static_routes(rules)  # only "precise" has a controller: the audit log and metrics are its alone
     rules["classes"][0]["controller"] = {
         "window_s": 1.0,
