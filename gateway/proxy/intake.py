@@ -203,7 +203,11 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
     else:
         raw, body = without_request_id(raw, body)
     prompt: tuple[int, ...] = ()
-    if route.endpoint is not None and sticky.pinned is None and _affinity_on(live.pools, plan.pools):
+    if sticky.pinned is not None:
+        pass
+    elif d.prompt is not None:  # hashed by the decision (a controlled class: warm homes)
+        prompt = d.prompt
+    elif route.endpoint is not None and _affinity_on(live.pools, plan.pools):
         prompt = prompt_chunks(route.endpoint, body)
     job = ProxyJob(
         path=path,

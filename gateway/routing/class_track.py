@@ -40,6 +40,8 @@ class RouteChoice:
     # a draw away from home by load (why "spill"): the in-flight per endpoint at which that pool sends visitors
     # home (gateway.routing.ownership.visitor_limit; None: not a visitor, or no limit)
     visitor_limit: int | None = None
+    # the visitor limit of the class's pool away from home, whatever it drew (a warm home there stops at it)
+    away_limit: int | None = None
 
 
 Why = Literal["home", "spill", "probe", "guard", "forced", "stale"]

@@ -16,6 +16,7 @@ from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
 from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
 from gateway.routing.plan import Plan, PoolView, plan_route
+from gateway.routing.prompt_key import continues, prompt_chunks
 from gateway.routing.routing_state import RouteChoice, RoutingState
 
 
@@ -46,6 +47,10 @@ class Decision:
     choice: RouteChoice | None = None  # the class controller's answer; None without a controller
     unknown_model: str | None = None  # the requested model when no pool serves it (the plan is empty)
     served: frozenset[str] = frozenset()  # with unknown_model: the models the pools serve, for the 404's message
+    # the prompt's chunk hashes when the decision computed them (a controller pool has prefix affinity on: the
+    # attempts record them where the request goes); None: not computed
+    prompt: tuple[int, ...] | None = None
+    warmth: Mapping[str, int] | None = None  # controller pool → counted warm prefix (tokens); None: not weighed
 
     def check_model(self) -> None:
         """Raise the 404 for a model no pool serves (after the caller has recorded the class)."""
@@ -95,6 +100,7 @@ def decide(
             c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
         )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
+    prompt, warmth, eligible = _warmth(live, endpoint, body, choice)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
@@ -107,6 +113,9 @@ def decide(
         speeds=None if choice is None else choice.speeds,
         visitor_limit=None if choice is None else choice.visitor_limit,
         why=None if choice is None else choice.why,
+        warmth=warmth,
+        warm_eligible=eligible,
+        away_limit=None if choice is None else choice.away_limit,
     )
     return Decision(
         c.traffic_class.name,
@@ -116,4 +125,24 @@ def decide(
         features=f,
         klass=c.traffic_class,
         choice=choice,
+        prompt=prompt,
+        warmth=warmth,
     )
+
+
+def _warmth(
+    live: RoutingInputs, endpoint: Endpoint, body: Mapping[str, Any], choice: RouteChoice | None
+) -> tuple[tuple[int, ...] | None, dict[str, int] | None, bool]:
+    """For a class with a controller whose pools have prefix affinity on: the prompt's chunk hashes (the attempts
+    record them, so that the next turn finds its prefix), each controller pool's counted warm prefix of it (only
+    when some index holds anything) and whether the request continues a conversation (it may go to its warm
+    home). Nothing for other requests: they pay no hashing here."""
+    if choice is None or not choice.pools:
+        return None, None, False
+    pools = [p for _, name in choice.pools if (p := live.pools.get(name)) is not None]
+    if not any(p.affinity.enabled for p in pools):
+        return None, None, False
+    prompt = prompt_chunks(endpoint, body)
+    if not prompt or not any(p.indexed() for p in pools):
+        return prompt, None, False
+    return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, continues(endpoint, body)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.config.schema import Route
 from gateway.errors import NoCapacity
 from gateway.routing.ownership import full_for_visitors, should_spill
+from gateway.routing.warm_home import WarmHome, warm_home
 
 # The route reason of a Responses API follow-up: it goes only to the endpoint holding its conversation.
 STICKY = "sticky"
@@ -48,6 +49,7 @@ class Plan:
     skipped: tuple[tuple[str, str], ...] = ()
     models: tuple[tuple[str, str], ...] = ()  # (pool, model): ask that pool for another model (route.fallback_model)
     ttft_deadline_s: float | None = None  # streams: the class's first-event deadline (None: the pool's first_byte_s)
+    warm: WarmHome | None = None  # the warm-home decision (None: not weighed: no controller, or no warmth given)
 
     @property
     def empty(self) -> bool:
@@ -97,6 +99,9 @@ def plan_route(
     speeds: Mapping[str, float] | None = None,
     visitor_limit: int | None = None,
     why: str | None = None,
+    warmth: Mapping[str, int] | None = None,
+    warm_eligible: bool = False,
+    away_limit: int | None = None,
 ) -> Plan:
     """Order the pools for one request of a class, by the class's route and the pools' state.
 
@@ -125,6 +130,12 @@ def plan_route(
     ``forced``: an on-call class route (``pick`` is the forced kind): the controller's pool of that kind, else the
     first pool of that kind among the route's pools (preferred, saturated, fallback), goes first, the others keep
     their order after it (reason ``forced:<kind>``); no saturation spill.
+
+    ``warmth``: pool → the longest counted warm prefix of this prompt there (tokens; computed by the fleet, None:
+    not weighed). When the controller drew a pool by load and the request continues a conversation
+    (``warm_eligible``), the other controller pool goes first while its prefix is longer there, it is not full for
+    visitors (``away_limit``: the visitor limit of the class's pool away from home) and, at home, not spilling
+    (``gateway.routing.warm_home``; reason ``warm:<kind>``). The decision is kept in ``Plan.warm``.
     """
     if pick is None:
         by_kind = None
@@ -135,6 +146,7 @@ def plan_route(
     preferred = pools.get(route.preferred)
     decided = "preferred"
     order: list[str] = [route.preferred]
+    warm: WarmHome | None = None
     if by_kind is not None and pick is not None and pick in by_kind:
         first = by_kind[pick]
         # the other pool is the next attempt only where the route names it (a balancing class whose other pool
@@ -145,6 +157,22 @@ def plan_route(
         if first != route.preferred and full_for_visitors(pools.get(first), visitor_limit):
             order = [route.preferred] + ([first] if first in named else [])
             decided = "full"
+        if warmth is not None:
+            other = next((n for n in by_kind.values() if n != first), None)
+            if other is not None:
+                warm = warm_home(
+                    route,
+                    first,
+                    other,
+                    warmth,
+                    pools,
+                    eligible=warm_eligible and decided in ("controller", "split"),
+                    away_limit=away_limit,
+                    speeds=speeds,
+                )
+                if warm.won:
+                    order = [other] + ([first] if first in named else [])
+                    decided, pick = "warm", next(k for k, n in by_kind.items() if n == other)
     if (
         (by_kind is None or order[0] == route.preferred)
         and route.saturated is not None
@@ -154,7 +182,7 @@ def plan_route(
         order = [route.saturated, route.preferred]
         decided = "saturated"
     order.extend(route.fallback)
-    return _plan(route, model, pools, order, decided, pick)
+    return _plan(route, model, pools, order, decided, pick, warm)
 
 
 def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | None = None) -> str:
@@ -162,7 +190,8 @@ def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | No
     ``specgate_route_decisions_total`` label and explain's ``plan.reason``): what put the first pool first.
 
     ``decided``: what ordered the pools (``preferred``, ``saturated``, ``forced``, or the class controller's
-    ``controller`` / ``split`` / ``probe`` / ``guard`` / ``stale`` / ``full``), ``kind`` the pool kind it picked.
+    ``controller`` / ``split`` / ``probe`` / ``guard`` / ``stale`` / ``full``, or ``warm``: the conversation's warm
+    home, ``gateway.routing.warm_home``), ``kind`` the pool kind it picked.
     ``displaced``: (the pool it put first, why that pool was left out) when another pool goes first: then what
     decided is that pool's absence, ``<pool> drained`` (an on-call drain) or ``<pool> unavailable`` (no routable
     endpoint, the model not served, ...; explain's ``skipped`` says which)."""
@@ -177,6 +206,8 @@ def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | No
         return f"controller:{kind}"
     if decided == "full":
         return f"controller:{kind}:full"
+    if decided == "warm":
+        return f"warm:{kind}"
     return f"controller:{decided}:{kind}"  # split, probe, guard, stale
 
 
@@ -196,7 +227,13 @@ def _forced_plan(
 
 
 def _plan(
-    route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], decided: str, kind: str | None
+    route: Route,
+    model: str,
+    pools: Mapping[str, PoolView],
+    order: list[str],
+    decided: str,
+    kind: str | None,
+    warm: WarmHome | None = None,
 ) -> Plan:
     chosen: list[str] = []
     other_model: list[str] = []  # fallback pools that serve route.fallback_model instead: tried last
@@ -225,4 +262,4 @@ def _plan(
         displaced = (order[0], next((why for name, why in skipped if name == order[0]), "unavailable"))
     reason = route_reason(decided, kind, displaced)
     models = tuple((name, alt) for name in other_model if alt is not None)
-    return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s)
+    return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s, warm)

@@ -114,6 +114,27 @@ def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
+def continues(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+    """The request continues a conversation: its prompt carries an earlier turn's answer (a chat ``assistant`` or
+    ``tool`` message; a Responses API input item that is not a user, system or developer message, or a
+    ``previous_response_id``). A completions prompt cannot tell: False. Only such a request may go to its warm home
+    (``gateway.routing.warm_home``): a new conversation goes by its class."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        return isinstance(messages, list) and any(
+            isinstance(m, dict) and m.get("role") in ("assistant", "tool", "function") for m in messages
+        )
+    if endpoint == "responses":
+        if isinstance(body.get("previous_response_id"), str):
+            return True
+        raw = body.get("input")
+        return isinstance(raw, list) and any(
+            isinstance(i, dict) and i.get("role", i.get("type")) not in ("user", "system", "developer", "message")
+            for i in raw
+        )
+    return False
+
+
 def prompt_chunks(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The chained chunk hashes of the request's rendered prompt (empty: nothing to match)."""
     return chain_hashes(render_prompt(endpoint, body))

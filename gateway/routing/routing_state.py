@@ -164,7 +164,9 @@ class RoutingState:
             return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
         why = _why(ctl, pick)
         limit = c.visitor_limit if why == "spill" else None
-        return RouteChoice(state, pick, share, why=why, pools=pools, speeds=c.speeds, visitor_limit=limit)
+        return RouteChoice(
+            state, pick, share, why=why, pools=pools, speeds=c.speeds, visitor_limit=limit, away_limit=c.visitor_limit
+        )
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
