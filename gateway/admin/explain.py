@@ -23,6 +23,10 @@ JSON-able dict::
                     prompt (approximate tokens), whether it counts, its load and whether that is over the bound, and
                     its index's size; then the endpoint the affinity rule picks and why (warm | cold | over_bound:
                     cold and over_bound leave the pick to the least-loaded choice); null for embeddings
+    warm_home       for a class with a controller whose pools keep prefix indexes: the longest counted warm prefix
+                    of this prompt per controller pool (tokens, 0: cold), the pool the controller drew, the warm pool
+                    and the verdict (won | not_eligible | cold | not_longer | full | saturated,
+                    ``gateway.routing.warm_home``) with a sentence; null when not weighed
     config          source and digest of the routing YAML in force
 
 While a class is split, ``choice.pick`` and the plan show one draw; ``choice.share`` is the chance of the other.
@@ -242,6 +246,7 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             and not any(rt.attempts.admits(live.pools[p]) for p in d.plan.pools if p in live.pools),
         },
         "prefix_affinity": None if endpoint is None else _affinity(live, d.plan, prompt_chunks(endpoint, body)),
+        "warm_home": _warm_home(d),
         "config": {"source": live.source, "digest": live.digest},
         "stateful": _stateful(endpoint, body),
     }
@@ -266,6 +271,29 @@ def _affinity(live: LiveConfig, plan: Plan, chunks: tuple[int, ...]) -> dict[str
             "why": why if cfg.enabled else "disabled",
         }
     return out
+
+
+WARM_NOTES = {
+    "won": "the conversation's prefix is longer on {pool}: it goes there first",
+    "not_eligible": "not weighed: a new conversation (no earlier answer in the prompt), or the controller did not "
+    "draw by load or hold its safe state (probe, guard)",
+    "cold": "no controller pool holds a counted prefix of this prompt",
+    "not_longer": "the drawn pool holds at least as long a prefix",
+    "full": "{pool} is warm but full for visitors (its home classes' in-flight limit): the class's draw stands",
+    "saturated": "{pool} is warm but over its in-flight limit with the other pool less loaded: the spill stands",
+}
+
+
+def _warm_home(d: Decision) -> dict[str, Any] | None:
+    """The warm-home decision of this request (``gateway.routing.warm_home``); None when it was not weighed."""
+    w = d.plan.warm
+    if d.warmth is None:
+        return None
+    out: dict[str, Any] = {"warmth": dict(d.warmth)}
+    if w is None:
+        return {**out, "verdict": None, "note": "not weighed for this plan"}
+    note = WARM_NOTES[w.verdict].format(pool=w.pool)
+    return {**out, "drawn_pool": w.drawn_pool, "pool": w.pool, "verdict": w.verdict, "note": note}
 
 
 def _follow_up(endpoint: Endpoint | None, body: Mapping[str, Any]) -> bool:

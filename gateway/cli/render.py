@@ -271,6 +271,11 @@ def render(data: dict[str, Any], out: Console) -> None:
     affinity = _affinity_table(data, out.width)
     if affinity is not None:
         out.print(affinity)
+    warm = data.get("warm_home")
+    if warm:
+        tokens = ", ".join(f"{p}: {t}" for p, t in (warm.get("warmth") or {}).items())
+        line = f"warm home: {warm.get('verdict')} ({warm.get('note')}); warm prefix per pool: {tokens}"
+        out.print(escape(line), highlight=False, soft_wrap=True)
     if len(plan.get("steps") or []) > 1:
         out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
     if plan.get("empty"):

@@ -132,7 +132,8 @@ def plan_route(
     their order after it (reason ``forced:<kind>``); no saturation spill.
 
     ``warmth``: pool → the longest counted warm prefix of this prompt there (tokens; computed by the fleet, None:
-    not weighed). When the controller drew a pool by load and the request continues a conversation
+    not weighed). When the controller drew a pool by load (or holds the class at its safe state while its
+    measurements are stale) and the request continues a conversation
     (``warm_eligible``), the other controller pool goes first while its prefix is longer there, it is not full for
     visitors (``away_limit``: the visitor limit of the class's pool away from home) and, at home, not spilling
     (``gateway.routing.warm_home``; reason ``warm:<kind>``). The decision is kept in ``Plan.warm``.
@@ -166,7 +167,7 @@ def plan_route(
                     other,
                     warmth,
                     pools,
-                    eligible=warm_eligible and decided in ("controller", "split"),
+                    eligible=warm_eligible and decided in ("controller", "split", "stale"),
                     away_limit=away_limit,
                     speeds=speeds,
                 )

@@ -10,9 +10,11 @@ request's home, its *warm home*: it goes first (route reason ``warm:<kind>``), t
 
 The warm home loses, and the controller's draw stands, when:
 
-- ``not_eligible``: the draw is not the controller's load decision (a probe, the guard, a stale safe state, an
-  on-call force), or the request does not continue a conversation (a new conversation goes by its class: a shared
-  system prompt warm on one pool must not pull every new conversation there);
+- ``not_eligible``: the draw is not the controller's load decision or its safe state (a probe, the guard, an
+  on-call force: those put the class where they do on purpose), or the request does not continue a conversation
+  (a new conversation goes by its class: a shared system prompt warm on one pool must not pull every new
+  conversation there). A class held at its safe state because its measurements are stale is eligible: the checks
+  below use the gateway's own in-flight counts, not the scrapes;
 - ``cold``: no pool holds a counted prefix; ``not_longer``: the drawn pool holds at least as long a prefix;
 - ``full``: the warm pool is away from the class's home and has as many requests in flight per endpoint as its own
   classes take (``ownership.full_for_visitors``: a visitor never pushes a pool's home classes off it);

@@ -123,7 +123,11 @@ def test_forced_probe_guard_and_no_controller_are_unaffected() -> None:
     warmth = {"spec": 4096}
     forced = plan_route(CHAT, "m", views(), pick="standard", forced=True, by_kind=BY_KIND, warmth=warmth)
     assert forced.reason == "forced:standard"
-    for why in ("guard", "stale"):
+    stale = plan_route(
+        CHAT, "m", views(), pick="standard", by_kind=BY_KIND, why="stale", warmth=warmth, warm_eligible=True
+    )
+    assert stale.reason == "warm:speculative"  # the safe state holds the class, not the conversation
+    for why in ("guard",):
         p = plan_route(CHAT, "m", views(), pick="standard", by_kind=BY_KIND, why=why, warmth=warmth, warm_eligible=True)
         assert p.reason == f"controller:{why}:standard"
         assert p.warm is not None
