@@ -351,6 +351,10 @@ def test_read_only_without_a_token(gw_readonly: Serve, page: Any) -> None:
     expect(page.locator("#cluster-summary")).to_have_text("")
     expect(page.locator('article[data-pool="spec"]')).to_be_visible()
     expect(page.locator('article[data-pool="std"]')).to_be_visible()
+    # per endpoint, the server's measured prefix-cache hit rate ("–" while the scrapes have not measured one)
+    expect(page.locator('article[data-pool="spec"] table.endpoints th', has_text="prefix hits")).to_be_visible()
+    hits = page.locator('article[data-pool="spec"] table.endpoints td[data-col="prefix hits"]').first
+    expect(hits).to_have_text(re.compile(r"^(–|\d+%)$"))
     expect(page.locator("#login")).to_be_hidden()
     expect(page.locator("#mode")).to_have_text("read-only: no admin token on this gateway")
     expect(page.locator("#reload-btn")).to_be_hidden()

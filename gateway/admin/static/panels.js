@@ -137,6 +137,8 @@ function poolCard(name, p, ctx) {
         changed ? h("div", { class: "desc" }, `YAML ${num(e.configured_weight, 2)}`) : null,
       ),
       h("td", { class: "num" }, num(e.in_flight + (e.remote_in_flight || 0))),
+      // the server's measured prefix-cache hit rate over the scrape window; "–" while unknown
+      h("td", { class: "num", "data-col": "prefix hits", title: `${num(e.prefix_index_chunks)} prompt chunks in the gateway's index` }, pct(e.prefix_hit_ratio)),
       ctx.canChange ? h("td", {}, button("Weight", `ew:${name}/${e.id}`, () => ctx.act.endpointWeight(name, e), { title: `Set the weight of endpoint ${e.id}` })) : null,
     );
   });
@@ -154,7 +156,7 @@ function poolCard(name, p, ctx) {
           h(
             "tr",
             {},
-            ["endpoint", "health", "weight", "in flight"].map((t) => h("th", { scope: "col", class: t === "weight" || t === "in flight" ? "num" : "" }, t)),
+            ["endpoint", "health", "weight", "in flight", "prefix hits"].map((t) => h("th", { scope: "col", class: t === "endpoint" || t === "health" ? "" : "num" }, t)),
             ctx.canChange ? h("th", { scope: "col" }, h("span", { class: "sr-only" }, "actions")) : null,
           ),
         ),
