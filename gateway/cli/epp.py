@@ -21,7 +21,7 @@ from gateway.admin.app import create_admin_app
 from gateway.cli.console import fail as _fail
 from gateway.cli.serve import AdminSetupError, admin_token, bind, is_loopback
 from gateway.config.settings import Settings, SettingsError
-from gateway.epp.server import EppServer
+from gateway.epp.server import DEFAULT_USAGE_BYTES, EppServer
 from gateway.proxy.app import health, metrics, ready
 from gateway.runtime.container import Runtime
 
@@ -56,9 +56,9 @@ class _Listener(uvicorn.Server):
         yield
 
 
-async def serve_epp(settings: Settings, metrics_port: int) -> None:
+async def serve_epp(settings: Settings, metrics_port: int, usage_bytes: int = DEFAULT_USAGE_BYTES) -> None:
     rt = Runtime.from_settings(settings)
-    epp = EppServer(rt, settings.host, settings.port)
+    epp = EppServer(rt, settings.host, settings.port, usage_bytes=usage_bytes)
     servers: list[_Listener] = []
     if settings.admin_port:
         token = admin_token()
@@ -89,13 +89,13 @@ async def serve_epp(settings: Settings, metrics_port: int) -> None:
             s.socket.close()
 
 
-def run_epp(settings: Settings, metrics_port: int) -> None:
+def run_epp(settings: Settings, metrics_port: int, usage_bytes: int = DEFAULT_USAGE_BYTES) -> None:
     from gateway.config.loader import RulesError
     from gateway.observability.logs import configure_logging
 
     configure_logging(settings.log_level)
     try:
-        asyncio.run(serve_epp(settings, metrics_port))
+        asyncio.run(serve_epp(settings, metrics_port, usage_bytes))
     except RulesError as exc:
         raise _fail(f"invalid routing rules:\n{exc}") from exc
     except (SettingsError, AdminSetupError, OSError) as exc:

@@ -235,6 +235,14 @@ def epp(
         str | None,
         typer.Option(envvar="SPECGATE_REDIS_URL", help="Redis shared by the replicas (overrides, cluster state)."),
     ] = None,
+    usage_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_EPP_USAGE_BYTES",
+            help="Read usage and spec-decode acceptance from speculative pools' answers, at most this many bytes "
+            "of one (0: never; needs allow_mode_override in Envoy's ext_proc filter).",
+        ),
+    ] = 1024 * 1024,
 ) -> None:
     """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
     try:
@@ -257,7 +265,9 @@ def epp(
         from gateway.cli.epp import run_epp
     except ImportError as exc:  # the optional extra is not installed
         raise _fail(f"specgate epp needs the 'epp' extra: pip install 'specgate[epp]' ({exc})") from exc
-    run_epp(settings, metrics_port)
+    if not 0 <= usage_bytes <= 64 * 1024 * 1024:
+        raise _fail(f"--usage-bytes must be between 0 and 67108864, got {usage_bytes}")
+    run_epp(settings, metrics_port, usage_bytes)
 
 
 @app.command()
