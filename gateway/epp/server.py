@@ -40,13 +40,18 @@ class Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc] 
 
     async def Process(  # the generated servicer's method name
         self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[ProcessingResponse]:
+    ) -> None:
+        # context.read/write rather than iterating and yielding: no async generator around each message (about
+        # a tenth less CPU per request, measured through Envoy).
         exchange = Exchange(self.rt, self.usage_bytes)
         try:
-            async for request in request_iterator:
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    return
                 answer = exchange.on(request)
                 if answer is not None:
-                    yield answer
+                    await context.write(answer)
         finally:
             exchange.close()
 
