@@ -243,6 +243,22 @@ def epp(
             "of one (0: never; needs allow_mode_override in Envoy's ext_proc filter).",
         ),
     ] = 1024 * 1024,
+    kube_selector: Annotated[
+        str,
+        typer.Option(
+            envvar="SPECGATE_KUBE_SELECTOR",
+            help="The pools' endpoints are the ready pods matching this label selector (e.g. app=vllm), watched "
+            "through the Kubernetes API; their pool from the label specgate.io/pool or specgate.io/pool-kind "
+            "(needs the kube extra). Empty: the routing YAML's endpoints.",
+        ),
+    ] = "",
+    kube_namespace: Annotated[
+        str,
+        typer.Option(envvar="SPECGATE_KUBE_NAMESPACE", help="Namespace of those pods (empty: this pod's own)."),
+    ] = "",
+    kube_port: Annotated[
+        int, typer.Option(envvar="SPECGATE_KUBE_PORT", help="The model servers' port on those pods.")
+    ] = 8000,
 ) -> None:
     """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
     try:
@@ -267,7 +283,18 @@ def epp(
         raise _fail(f"specgate epp needs the 'epp' extra: pip install 'specgate[epp]' ({exc})") from exc
     if not 0 <= usage_bytes <= 64 * 1024 * 1024:
         raise _fail(f"--usage-bytes must be between 0 and 67108864, got {usage_bytes}")
-    run_epp(settings, metrics_port, usage_bytes)
+    kube = None
+    if kube_selector:
+        if not 1 <= kube_port <= 65535:
+            raise _fail(f"--kube-port must be a port number, got {kube_port}")
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError as exc:
+            raise _fail("--kube-selector needs the 'kube' extra: pip install 'specgate[kube]'") from exc
+        from gateway.cli.epp import KubeSource
+
+        kube = KubeSource(kube_selector, kube_namespace or None, kube_port)
+    run_epp(settings, metrics_port, usage_bytes, kube)
 
 
 @app.command()

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Exchange

@@ -21,6 +21,8 @@ KINDS = {
     **base.API_VERSIONS,
     "InferencePool": "inference.networking.k8s.io/v1",
     "HTTPRoute": "gateway.networking.k8s.io/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
 }
 
 # The v1 InferencePool CRD's spec (gateway-api-inference-extension), the parts the chart renders: what an API
@@ -137,6 +139,47 @@ def test_the_picker_container(epp_docs: list[Doc]) -> None:
     assert "subPath" not in mounts["routing"]  # hot reload
 
 
+def test_the_picker_watches_the_pools_pods(epp_docs: list[Doc]) -> None:
+    c = picker(epp_docs)
+    args = c["args"]
+    assert args[args.index("--kube-selector") + 1] == "app=vllm-llama-70b"  # the InferencePool's selector
+    assert args[args.index("--kube-port") + 1] == "8000"
+    pod = one(epp_docs, "Deployment", f"{FULL}-epp")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    role = one(epp_docs, "Role", f"{FULL}-epp")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(epp_docs, "RoleBinding", f"{FULL}-epp")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "llm"}]
+    without = render(EPP_VALUES, {"epp.watchPods": "false"})
+    assert "--kube-selector" not in picker(without)["args"]
+    assert not by_kind(without, "Role")
+    assert (
+        one(without, "Deployment", f"{FULL}-epp")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    )
+
+
+@needs_helm
+def test_in_chart_pools_are_the_inference_pool() -> None:
+    docs = render(sets={"mode": "epp", "pools.speculative.deploy": "true", "pools.standard.deploy": "true"})
+    pool = one(docs, "InferencePool", FULL)
+    jsonschema.validate(pool["spec"], INFERENCE_POOL_SPEC)
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selector == {"specgate.io/model-server": FULL}
+    args = picker(docs)["args"]
+    assert args[args.index("--kube-selector") + 1] == f"specgate.io/model-server={FULL}"
+    for name in ("speculative", "standard"):  # the pods the pool selects, each naming its pool for the picker
+        labels = one(docs, "Deployment", f"{FULL}-vllm-{name}")["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        assert labels["specgate.io/pool"] == name
+    policies = [p for p in by_kind(docs, "NetworkPolicy") if "vllm" in p["metadata"]["name"]]
+    assert not policies  # networkPolicy is off by default
+    with_policy = render(sets={"mode": "epp", "pools.speculative.deploy": "true", "networkPolicy.enabled": "true"})
+    vllm = one(with_policy, "NetworkPolicy", f"{FULL}-vllm-speculative")
+    admitted = vllm["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert admitted["app.kubernetes.io/component"] == "epp"  # the picker's health checks
+
+
 def test_inference_pool_points_at_the_picker_service(epp_docs: list[Doc]) -> None:
     pool = one(epp_docs, "InferencePool", FULL)
     jsonschema.validate(pool["spec"], INFERENCE_POOL_SPEC)
@@ -181,8 +224,11 @@ def test_monitoring_and_redis_policy_follow_the_picker(epp_docs: list[Doc]) -> N
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        ({"pools.speculative.deploy": "true"}, "pools.speculative.deploy is not supported"),
-        ({"pools.standard.externalEndpoints[0].url": "http://vllm-standard:8000"}, "is not a pod address"),
+        ({"epp.watchPods": "false", "pools.speculative.deploy": "true"}, "needs epp.watchPods"),
+        (
+            {"epp.watchPods": "false", "pools.standard.externalEndpoints[0].url": "http://vllm-standard:8000"},
+            "is not a pod address",
+        ),
         ({"epp.inferencePool.selector": "null"}, "epp.inferencePool.selector"),
         ({"epp.inferencePool.failureMode": "Sometimes"}, "failureMode"),
         ({"epp.port": "9090"}, "epp.port must differ"),
