@@ -148,13 +148,13 @@ def _params(cls: TrafficClass, rng: random.Random) -> tuple[tuple[str, Any], ...
 
 
 def plan_conversations(
-    spec: ConversationSpec, classes: tuple[TrafficClass, ...], seed: int, n: int
+    spec: ConversationSpec, classes: tuple[TrafficClass, ...], seed: int, n: int, first: int = 0
 ) -> list[Conversation]:
-    """The sweep's first ``n`` conversations (the same list for every policy)."""
+    """The sweep's conversations ``first`` … ``first + n - 1`` (the same list for every policy)."""
     by_name = {c.name: c for c in classes}
     systems = shared_texts(seed, spec.system_prompts, spec.system_tokens, 1)
     documents = shared_texts(seed, spec.documents, spec.document_tokens, 2)
-    return [plan_conversation(spec, by_name, seed, i, systems, documents) for i in range(n)]
+    return [plan_conversation(spec, by_name, seed, i, systems, documents) for i in range(first, first + n)]
 
 
 def turn_request(

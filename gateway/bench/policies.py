@@ -413,6 +413,15 @@ def _run_parallel(
     return points
 
 
+def check_policies(policies: tuple[str, ...]) -> None:
+    """Known policies, and the peer router installed where one is asked for: checked before any server starts."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if any(p in PEER_POLICIES for p in policies):
+        require_router()
+
+
 def bench_policies(
     mix: Mix,
     loads: list[float],
@@ -427,9 +436,7 @@ def bench_policies(
     """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``.
     ``jobs`` > 1 runs that many policies at once, each in a process of its own."""
 
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    check_policies(policies)
     adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
     if mix.output_len_median is not None:
         setup = replace(setup, output_median=mix.output_len_median)
