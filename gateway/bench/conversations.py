@@ -18,11 +18,14 @@ says how they follow each other::
           next: {chat-turn: 0.7, tool-call: 0.3} # the class of every later turn, drawn per turn
           documents: 0                           # shared documents quoted in the first turn
           tool_result_tokens: null               # agent loops: a tool's output appended to every later turn
+          tools: null                            # tool definitions on every turn (null: if the first class has)
 
 Each turn's prompt is the previous turn's prompt, its answer (the server's own text, sent back as an assistant
 message) and the new text: a conversation's prefix grows turn by turn, and conversations opening with one system
 prompt (or quoting one document) share that prefix. The plan of conversation ``i`` depends only on the seed and
-``i`` (never on answers or timing), so every policy of a sweep gets the same conversations. The Responses API
+``i`` (never on answers or timing), so every policy of a sweep gets the same conversations. A conversation keeps
+its tool definitions on every turn, as a client does (a chat turn after a tool call still carries them): the
+template renders them before the messages, so dropping them would change the prompt's first tokens. The Responses API
 kind sends the full history as ``input`` items rather than ``previous_response_id``: a follow-up by id only works
 on the server holding the earlier response, which a peer router that does not pin conversations cannot promise.
 """
@@ -53,6 +56,7 @@ class ConversationKind:
     api: str = "chat"
     documents: int = 0
     tool_result_tokens: Dist | None = None
+    tools: bool | None = None  # the tool definitions on every turn (None: when the first turn's class has tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,7 @@ class Conversation:
     system_index: int
     system: str
     turns: tuple[Turn, ...]
+    tools: bool = False  # every turn carries the tool definitions
 
 
 def text_of(tokens: int, rng: random.Random) -> str:
@@ -132,7 +137,8 @@ def plan_conversation(
         parts.append(text_of(int(spec.user_tokens.sample(rng) or 1), rng))
         think = 0.0 if t == 0 else max(0.0, float(spec.think_s.sample(rng) or 0.0))
         turns.append(Turn(cls, "\n".join(parts), think, _params(cls, rng)))
-    return Conversation(index, kind.name, kind.api, system_index, systems[system_index], tuple(turns))
+    tools = classes[kind.first].tools if kind.tools is None else kind.tools
+    return Conversation(index, kind.name, kind.api, system_index, systems[system_index], tuple(turns), tools)
 
 
 def _params(cls: TrafficClass, rng: random.Random) -> tuple[tuple[str, Any], ...]:
@@ -179,7 +185,7 @@ def turn_request(
             body["max_output_tokens"] = params["max_tokens"]
         if turn.cls.response_format:
             body["text"] = {"format": {"type": turn.cls.response_format}}
-        if turn.cls.tools:
+        if conv.tools:
             fn = TOOL["function"]
             body["tools"] = [{"type": "function", "name": fn["name"], "parameters": fn["parameters"]}]
         return "/v1/responses", body, headers
@@ -188,7 +194,7 @@ def turn_request(
         body["stream_options"] = {"include_usage": True}
     if turn.cls.response_format:
         body["response_format"] = {"type": turn.cls.response_format}
-    if turn.cls.tools:
+    if conv.tools:
         body["tools"] = [TOOL]
     return "/v1/chat/completions", body, headers
 
@@ -258,6 +264,9 @@ def parse_conversations(raw: Any, class_names: set[str]) -> ConversationSpec:
         if api not in ("chat", "responses"):
             raise ValueError(f"{where}.api: chat or responses, got {api!r}")
         tool = k.get("tool_result_tokens")
+        tools = k.get("tools")
+        if tools is not None and not isinstance(tools, bool):
+            raise ValueError(f"{where}.tools: true or false")
         kinds.append(
             ConversationKind(
                 name=str(k["name"]),
@@ -269,6 +278,7 @@ def parse_conversations(raw: Any, class_names: set[str]) -> ConversationSpec:
                 tool_result_tokens=None
                 if tool is None
                 else _bounded(parse_dist(tool, f"{where}.tool_result_tokens", integer=True), where, 0, MAX_TEXT_TOKENS),
+                tools=tools,
             )
         )
     if sum(k.weight for k in kinds) <= 0 or min(k.weight for k in kinds) < 0:
