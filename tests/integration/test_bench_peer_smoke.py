@@ -51,18 +51,23 @@ def test_conversations_through_vllm_router_are_measured_with_their_hit_rate(tmp_
     )  # fmt: skip
     assert [p.policy for p in points] == ["peer-cache-aware", "peer-round-robin"]
     for p in points:
-        assert p.turns and len(p.ok) == len(p.turns)  # every turn answered through the router
-        assert p.queries > 0 and 0.0 < p.hit_rate <= 1.0  # the shared system prompts hit on every server
+        assert p.turns
+        assert len(p.ok) == len(p.turns)
+        assert p.queries > 0
+        assert 0.0 < p.hit_rate <= 1.0
         assert max(t.turn for t in p.turns) >= 1  # later turns carried the history back
         assert "vllm-router" in p.cpu  # the router's CPU is measured with the rest
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == sum(len(p.turns) for p in points)
     assert {r["policy"] for r in rows} == {"peer-cache-aware", "peer-round-robin"}
     streamed = [r for r in rows if r["stream"]]
-    assert streamed and all(r["ttft_s"] is not None for r in streamed)
+    assert streamed
+    assert all(r["ttft_s"] is not None for r in streamed)
     report = (tmp_path / "report.md").read_text()
-    assert "vllm-router --policy cache_aware" in report and "vllm-router --policy round_robin" in report
-    assert "## prefix-cache hit rate" in report and "## Harness CPU" in report
+    assert "vllm-router --policy cache_aware" in report
+    assert "vllm-router --policy round_robin" in report
+    assert "## prefix-cache hit rate" in report
+    assert "## Harness CPU" in report
     assert "prefix hits" in lines[-1]
 
 
@@ -72,7 +77,8 @@ def test_single_requests_through_vllm_router_on_the_mixed_fleet(tmp_path: Path) 
     points = bench_policies(
         mix, [0.3], setup, tmp_path, policies=("peer-cache-aware-mixed",), root=ROOT, log=lambda _: None
     )
-    assert len(points) == 1 and points[0].summary.requests > 0
+    assert len(points) == 1
+    assert points[0].summary.requests > 0
     assert points[0].summary.errors == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert all(r["pool"] == "" for r in rows)  # answered through the router: no gateway headers

@@ -63,7 +63,8 @@ def test_every_turn_is_the_last_turn_plus_its_answer_plus_new_text() -> None:
                 # prefills only the new user text
                 assert ids[: len(previous)] == previous
             previous = ids + answer_ids(answers[t], chat=True)
-        assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+        assert sizes == sorted(sizes)
+        assert sizes[-1] > sizes[0]
 
 
 def test_the_class_changes_between_turns_and_the_tools_stay() -> None:
@@ -72,12 +73,14 @@ def test_the_class_changes_between_turns_and_the_tools_stay() -> None:
     changed = 0
     for conv in convs:
         first = turn_request(conv, 0, [], "m")[1]
-        assert first["temperature"] == 0.0 and first["tools"]  # a tool call at T=0 first
+        assert first["temperature"] == 0.0
+        assert first["tools"]
         for t in range(1, len(conv.turns)):
             body = turn_request(conv, t, _answers(conv)[:t], "m")[1]
             assert body["tools"] == first["tools"]  # the client keeps its tool definitions
             if conv.turns[t].cls.name == "chat-turn":
-                assert body["temperature"] == 0.8 and body["stream"] is True
+                assert body["temperature"] == 0.8
+                assert body["stream"] is True
                 changed += 1
     assert changed > len(convs)  # most assistant conversations go on as chat at T=0.8
 
@@ -91,7 +94,8 @@ def test_conversations_share_system_prompts_and_documents() -> None:
         assert c.system == systems[c.system_index]
     rag = [c for c in convs if c.kind == "rag"]
     docs = [d for c in rag for d in c.turns[0].user.split("</document>")[:-1]]
-    assert len(docs) == 2 * len(rag) and len(set(docs)) < len(docs)  # 12 shared documents, 2 a conversation
+    assert len(docs) == 2 * len(rag)
+    assert len(set(docs)) < len(docs)
     agent = [c for c in convs if c.kind == "agent"]
     assert all("<tool_result>" in t.user for c in agent for t in c.turns[1:])  # the loop's context grows
 
@@ -101,11 +105,13 @@ def test_the_responses_kind_sends_the_whole_history_as_input_items() -> None:
     answers = _answers(conv)
     path, body, headers = turn_request(conv, 2, answers[:2], "m")
     assert path == "/v1/responses"
-    assert "previous_response_id" not in body and "messages" not in body
+    assert "previous_response_id" not in body
+    assert "messages" not in body
     roles = [m["role"] for m in body["input"]]
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
     assert body["input"][2]["content"] == answers[0]
-    assert "max_output_tokens" in body and headers["x-sim-task"] == conv.turns[2].cls.task
+    assert "max_output_tokens" in body
+    assert headers["x-sim-task"] == conv.turns[2].cls.task
 
 
 def test_bad_conversation_blocks_are_refused_with_a_reason() -> None:
@@ -136,14 +142,16 @@ def test_capacity_counts_only_the_new_text_of_a_warm_turn() -> None:
     small, how = conversation_capacity(mix, spec, Setup().fleet_from("1+1"))
     big, _ = conversation_capacity(mix, spec, Setup().fleet_from("2+2"))
     assert big == pytest.approx(2 * small)
-    assert "of which" in how and "turns per conversation" in how
+    assert "of which" in how
+    assert "turns per conversation" in how
 
 
 def test_peer_command_line_and_a_missing_router(monkeypatch: pytest.MonkeyPatch) -> None:
     cmd = peer.router_command("/bin/vr", "peer-round-robin", ["http://127.0.0.1:1", "http://127.0.0.1:2"], 5, 6)
     assert cmd[:1] == ["/bin/vr"]
     assert cmd[cmd.index("--policy") + 1] == "round_robin"
-    assert cmd[cmd.index("--port") + 1] == "5" and cmd[cmd.index("--prometheus-port") + 1] == "6"
+    assert cmd[cmd.index("--port") + 1] == "5"
+    assert cmd[cmd.index("--prometheus-port") + 1] == "6"
     assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 3] == [
         "http://127.0.0.1:1",
         "http://127.0.0.1:2",
