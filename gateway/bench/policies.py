@@ -10,6 +10,11 @@ speculative + standard servers of the mixed fleet) and the gateway in front of t
 - ``adaptive``: the mixed fleet behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
   mix), with its controllers; their time constants are scaled like the simulators' clocks
   (``bench controller``'s ``scaled_rules``).
+- ``peer-cache-aware``, ``peer-round-robin``, ``peer-cache-aware-mixed``: the Rust ``vllm-router`` instead of the
+  gateway, in front of the homogeneous standard fleet or the mixed one (``bench.peer``), only when asked for.
+
+A mix with conversations goes to ``bench.multiturn`` instead (the CLI dispatches); ``running_fleet`` starts the
+servers and the front for both.
 
 The simulated servers are scaled-down copies of the 70B preset: a running batch of ``max_num_seqs`` (8) stands
 for one of ``max_num_seqs × scale`` (256), because every per-token cost (γ, γ_prefill, α of the target and the
