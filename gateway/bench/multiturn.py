@@ -94,6 +94,14 @@ def _delta_text(chunk: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _usage_tokens(usage: dict[str, Any]) -> tuple[int, int | None]:
+    """(prompt tokens, cached prompt tokens or None) from a chat or Responses API usage object."""
+    prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return prompt, None if cached is None else int(cached)
+
+
 def _body_text(body: dict[str, Any]) -> str:
     if body.get("object") == "response":
         return "".join(
@@ -113,14 +121,16 @@ async def send_turn(
     cls: TrafficClass,
     sent_s: float,
     time_scale: float,
-) -> tuple[Result, str]:
-    """One turn: its measured result and the answer's text (carried back into the next turn)."""
+) -> tuple[Result, str, tuple[int, int | None]]:
+    """One turn: its measured result, the answer's text (carried back into the next turn) and (prompt tokens, cached
+    prompt tokens) from its usage."""
     path, body, headers = request
     stream = bool(body.get("stream"))
     res = Result(sent_s, cls.name, cls.task, stream)
     start = time.monotonic()
     chunk_times: list[float] = []
     text: list[str] = []
+    tokens: tuple[int, int | None] = (0, None)
     try:
         async with session.post(f"{url}{path}", json=body, headers=headers) as r:
             res.status = r.status
@@ -146,10 +156,12 @@ async def send_turn(
                     usage = chunk.get("usage") or (chunk.get("response") or {}).get("usage")
                     if usage:
                         res.completion_tokens = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+                        tokens = _usage_tokens(usage)
             else:
                 answer = await r.json()
                 usage = answer.get("usage") or {}
                 res.completion_tokens = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+                tokens = _usage_tokens(usage)
                 text.append(_body_text(answer))
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         res.error = type(exc).__name__
@@ -160,7 +172,7 @@ async def send_turn(
         res.chunks = len(scaled)
         res.tpot_s = tpot_from_chunks(scaled, res.completion_tokens or len(scaled))
     res.good = meets_targets(res, cls.targets.ttft_s, cls.targets.tpot_s)
-    return res, "".join(text)[:MAX_ANSWER_CHARS]
+    return res, "".join(text)[:MAX_ANSWER_CHARS], tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,8 +226,9 @@ async def run_conversations(
                 if sent >= stop_at:
                     return
                 req = turn_request(conv, t, answers, model, send_task_header=send_task_header)
-                res, answer = await send_turn(session, url, req, turn.cls, sent, time_scale)
-                out.append(TurnResult(conv.index, t, conv.kind, res))
+                res, answer, (prompt, cached) = await send_turn(session, url, req, turn.cls, sent, time_scale)
+                changed = t > 0 and turn.cls.name != conv.turns[t - 1].cls.name
+                out.append(TurnResult(conv.index, t, conv.kind, res, prompt, cached, changed))
                 if not res.ok:
                     return  # the history is broken: the conversation ends here
                 answers.append(answer)
@@ -244,7 +257,8 @@ def run_multiturn_policy(
     """Start the policy's servers and front; one window of conversations per load; stop everything."""
     points: list[MultiTurnPoint] = []
     per_conv = sum(len(c.turns) for c in plan_conversations(spec, mix.classes, setup.seed, 400)) / 400
-    with running_fleet(policy, rules, setup, mix.model) as fleet:
+    # the servers report each answer's cached prompt tokens, as vLLM does with this flag
+    with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
         meter = CpuMeter(fleet.pids)
         for i, load in enumerate(loads):
             rate = load * capacity
@@ -287,7 +301,8 @@ def run_multiturn_policy(
                 with jsonl.open("a") as f:
                     for t in measured:
                         row = {"policy": policy, "load": load, "conversation": t.conversation, "turn": t.turn,
-                               "kind": t.kind, **asdict(t.result)}  # fmt: skip
+                               "kind": t.kind, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                               "class_changed": t.class_changed, **asdict(t.result)}  # fmt: skip
                         f.write(json.dumps({k: _finite(v) for k, v in row.items()}) + "\n")
             ok = [r for r in point.results if r.ok]
             e2e = sorted(r.e2e_s for r in ok)

@@ -24,6 +24,9 @@ class TurnResult:
     turn: int
     kind: str
     result: Result
+    prompt_tokens: int = 0  # from the answer's usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
+    class_changed: bool = False  # this turn's class differs from the previous turn's
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,23 @@ def by_kind(points: list[MultiTurnPoint]) -> list[str]:
     return [*lines, ""]
 
 
+def cached_shares(points: list[MultiTurnPoint]) -> list[str]:
+    """The cached share of the prompt tokens (from each answer's usage), for the turns whose class changed from the
+    previous turn's and for the other later turns: what a class change costs in cache."""
+    lines = ["## cached share of prompt tokens (usage.cached_tokens / prompt_tokens), later turns", ""]
+    lines += ["| policy | offered load | class kept | class changed |", "|---|---:|---:|---:|"]
+    shown = False
+    for p in points:
+        cells = []
+        for changed in (False, True):
+            ts = [t for t in p.turns if t.turn > 0 and t.class_changed == changed and t.cached_tokens is not None]
+            prompt = sum(t.prompt_tokens for t in ts)
+            cells.append(_fmt(sum(t.cached_tokens or 0 for t in ts) / prompt if prompt else math.nan, 3))
+            shown = shown or bool(ts)
+        lines.append(f"| {LABELS[p.policy]} | {p.load:.0%} | " + " | ".join(cells) + " |")
+    return [*lines, ""] if shown else []
+
+
 def harness(points: list[MultiTurnPoint]) -> list[str]:
     measured = [p for p in points if p.cpu]
     if not measured:
@@ -203,6 +223,7 @@ def render_multiturn_report(
         parts += [f"## {label}", "", mt_table(points, get, digits), ""]
     parts += intervals(points)
     parts += by_kind(points)
+    parts += cached_shares(points)
     parts += harness(points)
     return "\n".join(parts)
 

@@ -210,9 +210,11 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def running_fleet(policy: str, rules: dict[str, Any], setup: Setup, model: str | None = None) -> Iterator[Fleet]:
-    """Start the policy's simulated servers and its front (the gateway, or ``vllm-router`` for a peer policy);
-    stop them all on the way out."""
+def running_fleet(
+    policy: str, rules: dict[str, Any], setup: Setup, model: str | None = None, sim_args: tuple[str, ...] = ()
+) -> Iterator[Fleet]:
+    """Start the policy's simulated servers (``sim_args`` added to their command lines) and its front (the gateway,
+    or ``vllm-router`` for a peer policy); stop them all on the way out."""
     counts = servers_per_pool(rules, setup)
     ports = {name: [free_port() for _ in range(k)] for name, k in counts.items()}
     procs: list[subprocess.Popen[bytes]] = []
@@ -222,7 +224,8 @@ def running_fleet(policy: str, rules: dict[str, Any], setup: Setup, model: str |
     try:
         for pool in rules["pools"]:
             for i, port in enumerate(ports[pool["name"]]):
-                procs.append(subprocess.Popen(sim_command(setup, pool, port, setup.seed + i), **quiet))  # type: ignore[call-overload]
+                cmd = [*sim_command(setup, pool, port, setup.seed + i), *sim_args]
+                procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
         with tempfile.TemporaryDirectory(prefix="specgate-policies-") as tmp:
             for plist in ports.values():
                 for port in plist:

@@ -33,5 +33,10 @@ def test_responses_conversations_through_the_gateway(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["pool"] for r in rows} <= {"speculative", "standard"}  # answered through the gateway
     assert all(r["completion_tokens"] > 0 for r in rows)
+    later = [r for r in rows if r["turn"] > 0]
+    assert later
+    assert all(0 <= r["cached_tokens"] <= r["prompt_tokens"] for r in rows)  # reported by every server
+    assert sum(r["cached_tokens"] for r in later) > 0  # the history and the system prompt hit
     report = (tmp_path / "report.md").read_text()
     assert "specgate in front of 1+1" in report
+    assert "## cached share of prompt tokens" in report
