@@ -7,14 +7,14 @@ client errors (unknown model, no pool for embeddings, bad parameters) exactly as
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.config.schema import RoutingRules, TrafficClass
 from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
-from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
+from gateway.routing.classify import Classifier, Endpoint, RequestFeatures, Texts
 from gateway.routing.plan import Plan, PoolView, plan_route
 from gateway.routing.route_state import RouteChoice, RoutingState
 
@@ -74,10 +74,12 @@ def decide(
     rng: random.Random,
     *,
     count: bool = True,
+    texts: Callable[[], Texts] | None = None,
 ) -> Decision:
     """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
-    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404."""
+    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
+    texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk)."""
     if endpoint is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
@@ -87,7 +89,7 @@ def decide(
             raise ModelNotFound(not_found(model, live.pools[pool_name].models), param="model")
         plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
         return Decision("embeddings", plan, stream=False, max_attempts=1)
-    c = live.classifier.classify(endpoint, body, task_header)
+    c = live.classifier.classify(endpoint, body, task_header, texts)
     f = c.features
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
