@@ -120,7 +120,7 @@ def test_a_bad_body_gets_the_same_error_both_ways(endpoint: Endpoint, body: dict
     [
         (b"[1, 2]", "must be a JSON object"),
         (b'{"model": "m", "messages": [', "not valid JSON"),
-        (orjson.dumps({"a": [[[[[[0]]]]]] * 3}) .replace(b"[0]", b"[" * 130 + b"0" + b"]" * 130), "deeper than 128"),
+        (orjson.dumps({"a": [[[[[[0]]]]]] * 3}).replace(b"[0]", b"[" * 130 + b"0" + b"]" * 130), "deeper than 128"),
         (orjson.dumps({"model": "m", "x": [[]] * 1_000_000}), "more than 1000000 arrays and objects"),
     ],
 )
@@ -166,5 +166,6 @@ def test_a_view_crosses_a_real_process_pool_and_the_pool_sheds_past_its_queue() 
     assert CLASSIFIER.classify(endpoint, got.head, texts=got.read_texts) == CLASSIFIER.classify(endpoint, body)
     assert chain_hashes(got.prompt) == prompt_chunks(endpoint, body)  # the hashes are the gateway's own
     shed = [r for r in burst if isinstance(r, Overloaded)]
-    assert len(shed) == 2 and all(r.status == 503 for r in shed)
+    assert len(shed) == 2
+    assert all(r.status == 503 for r in shed)
     assert all(r == got for r in burst if not isinstance(r, BaseException))
