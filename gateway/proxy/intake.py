@@ -24,7 +24,7 @@ from gateway.fleet.prefix_index import chain_hashes
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import Outcome
 from gateway.observability.tracing import TRACE_ID_HEADER, RequestTrace
-from gateway.proxy.body_read import affinity_wanted, read_json
+from gateway.proxy.body_read import read_json
 from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import forwarded_for, request_id
@@ -135,7 +135,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
             route.endpoint,
             scan_chars=live.classifier.scan_chars,
             fingerprint=(scope["method"], path) if idempotency_key is not None else None,
-            prompt=route.endpoint is not None and affinity_wanted(live.pools),
+            pools=live.pools,
         )
         decided_ns = time.time_ns() if trace is not None else 0
         texts = None if view is None else view.read_texts

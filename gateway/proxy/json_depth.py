@@ -63,6 +63,20 @@ def check_json_depth(raw: bytes, limit: int) -> None:
         raise InvalidJSON(f"request body nests arrays and objects deeper than {limit} levels")
 
 
+def bracket_count(raw: bytes) -> int:
+    """The ``{`` and ``[`` in ``raw``, strings included: at least its number of arrays and objects."""
+    return raw.count(b"{") + raw.count(b"[")
+
+
+def check_json_text(raw: bytes, max_depth: int, max_containers: int, n: int) -> None:
+    """``check_json_containers`` and ``check_json_depth`` of a body orjson has parsed, ``n`` its
+    ``bracket_count``."""
+    if n > max_containers and _brackets(raw).count(b"[") > max_containers:
+        raise InvalidJSON(f"request body holds more than {max_containers} arrays and objects")
+    if n > max_depth and json_depth(raw) > max_depth:
+        raise InvalidJSON(f"request body nests arrays and objects deeper than {max_depth} levels")
+
+
 def check_json_containers(raw: bytes, limit: int) -> None:
     """Raise 400 ``invalid_json`` when ``raw`` holds more than ``limit`` arrays and objects. Checked on the text
     before it is parsed: parsing millions of tiny containers takes orjson about a second for 8 MiB. Two counts
