@@ -40,6 +40,9 @@ HEAD_MEMBER_BYTES = 16 * 1024  # a top-level member whose JSON is longer is bulk
 _STAND_IN_MEMBERS = 64  # members an object's stand-in keeps
 _STAND_IN_LEVELS = 2  # containers below this many levels are emptied in a stand-in
 _SCALARS = (str, int, float, bool, type(None))
+# Members the gateway reads inside a top-level member (``response_format.type``, ``text.format.type``,
+# ``reasoning.effort``, ``stream_options``): a stand-in keeps them wherever they are.
+_READ_INSIDE = frozenset({"type", "format", "effort", "include_usage", "continuous_usage_stats"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +106,8 @@ class BodyView:
 
 
 def stand_in(value: Any, level: int = 0) -> Any:
-    """A small value of ``value``'s shape: scalars as they are; a list's first element; an object's first members;
-    containers emptied below ``_STAND_IN_LEVELS``."""
+    """A small value of ``value``'s shape: scalars as they are; a list's first element; an object's first members
+    and those the gateway reads; containers emptied below ``_STAND_IN_LEVELS``."""
     if isinstance(value, _SCALARS):
         return value
     if level >= _STAND_IN_LEVELS:
@@ -113,9 +116,8 @@ def stand_in(value: Any, level: int = 0) -> Any:
         return [stand_in(value[0], level + 1)] if value else []
     out: dict[str, Any] = {}
     for key, member in value.items():
-        if len(out) >= _STAND_IN_MEMBERS:
-            break
-        out[key] = stand_in(member, level + 1)
+        if len(out) < _STAND_IN_MEMBERS or key in _READ_INSIDE:
+            out[key] = stand_in(member, level + 1)
     return out
 
 

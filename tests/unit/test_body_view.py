@@ -46,6 +46,15 @@ BODIES: list[tuple[Endpoint, dict[str, Any]]] = [
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [IMAGE, {"type": "text", "text": "hi"}]}] * 3}),
     ("chat", {"model": "m", "stream": True, "stream_options": {"include_usage": False}, "messages": many(2000)}),
     ("chat", {"model": "m", "messages": many(2000), "extra": [[{"a": [1, 2, {"b": None}]}] * 900]}),
+    # the member the classifier reads comes after more members than a stand-in keeps
+    (
+        "chat",
+        {
+            "model": "m",
+            "messages": many(9),
+            "response_format": {**{f"k{i}": "v" * 300 for i in range(99)}, "type": "json_object"},
+        },
+    ),
     ("completions", {"model": "m", "prompt": ["def f(x):"] * 3000, "max_tokens": 3}),
     ("completions", {"model": "m", "prompt": list(range(20_000))}),
     ("responses", {"model": "m", "instructions": "be brief", "input": many(2000), "store": False}),
