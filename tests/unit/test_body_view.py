@@ -8,14 +8,17 @@ and the bytes forwarded must agree. One body goes through a real process pool, s
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
 from gateway.config.loader import load_rules_text
+from gateway.config.settings import Settings
 from gateway.errors import GatewayError, InvalidJSON, Overloaded
 from gateway.fleet.prefix_index import chain_hashes
+from gateway.proxy.body_read import LARGE_BODY_BYTES, MANY_BRACKETS, read_json
 from gateway.proxy.body_view import HEAD_MEMBER_BYTES, BodyView, Refusal, ViewRequest, summarize
 from gateway.proxy.idempotency import fingerprint
 from gateway.proxy.json_depth import check_json_containers
@@ -158,6 +161,11 @@ def test_a_view_crosses_a_real_process_pool_and_the_pool_sheds_past_its_queue() 
     raw = orjson.dumps(body)
     req = ViewRequest(endpoint, fingerprint=("POST", "/p"), prompt=True, **LIMITS)
 
+    settings = Settings(rules=Path("unused.yaml"))
+
+    async def read(body: bytes, pool: ParsePool) -> BodyView | None:
+        return (await read_json(body, settings, pool, "chat", scan_chars=100, fingerprint=None, pools={}))[1]
+
     async def run() -> tuple[Any, list[Any]]:
         pool = ParsePool(1)
         pool.start()
@@ -166,6 +174,14 @@ def test_a_view_crosses_a_real_process_pool_and_the_pool_sheds_past_its_queue() 
             burst = await asyncio.gather(
                 *(pool.run(summarize, raw, req) for _ in range(pool.limit + 2)), return_exceptions=True
             )
+            # which bodies go to the process: over 1 MiB, or over 50,000 brackets however short
+            assert await read(orjson.dumps({"model": "m", "messages": many(3)}), pool) is None
+            large = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 1000}] * 1100})
+            assert len(large) > LARGE_BODY_BYTES
+            assert await read(large, pool) is not None
+            brackets = orjson.dumps({"model": "m", "messages": many(3), "x": [[]] * (MANY_BRACKETS // 2 + 10)})
+            assert len(brackets) < LARGE_BODY_BYTES / 4
+            assert await read(brackets, pool) is not None
             return one, burst
         finally:
             await pool.close()
