@@ -80,6 +80,19 @@ def serve(
             envvar="SPECGATE_MAX_JSON_DEPTH", help="Deepest nesting of a request body (<= 250); past it: 400."
         ),
     ] = 128,
+    max_json_containers: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_JSON_CONTAINERS", help="Most arrays and objects in one request body; past it: 400."
+        ),
+    ] = 1_000_000,
+    parse_workers: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_PARSE_WORKERS",
+            help="Processes (per worker) that parse request bodies over 1 MiB off the event loop; 0: on the loop.",
+        ),
+    ] = 1,
     max_detached: Annotated[
         int,
         typer.Option(
@@ -222,6 +235,8 @@ def serve(
             max_header_bytes=max_header_bytes,
             max_headers=max_headers,
             max_json_depth=max_json_depth,
+            max_json_containers=max_json_containers,
+            parse_workers=parse_workers,
             max_detached=max_detached,
             max_detached_per_client=max_detached_per_client,
             idempotency_memory_bytes=idempotency_memory_bytes,

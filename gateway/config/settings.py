@@ -28,6 +28,8 @@ _INT_FIELDS = frozenset(
         "max_header_bytes",
         "max_headers",
         "max_json_depth",
+        "max_json_containers",
+        "parse_workers",
         "max_detached",
         "max_detached_per_client",
         "idempotency_memory_bytes",
@@ -68,6 +70,10 @@ class Settings:
     max_header_bytes: int = 64 * 1024  # request line + header lines of one request (gateway/proxy/limits.py)
     max_headers: int = 100  # header fields of one request
     max_json_depth: int = 128  # nesting of a request body's arrays and objects
+    max_json_containers: int = 1_000_000  # arrays and objects in one request body
+    # Processes that parse request bodies over 1 MiB away from the event loop (gateway/proxy/parse_pool.py), per
+    # worker; 0: parsed on the event loop, in steps.
+    parse_workers: int = 1
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
     idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
@@ -129,6 +135,10 @@ class Settings:
             raise SettingsError(f"max_headers must be >= 8, got {self.max_headers}")
         if not 1 <= self.max_json_depth <= MAX_JSON_DEPTH:
             raise SettingsError(f"max_json_depth must be 1..{MAX_JSON_DEPTH}, got {self.max_json_depth}")
+        if self.max_json_containers < 1:
+            raise SettingsError(f"max_json_containers must be >= 1, got {self.max_json_containers}")
+        if not 0 <= self.parse_workers <= 64:
+            raise SettingsError(f"parse_workers must be 0..64, got {self.parse_workers}")
         if self.idempotency_memory_bytes < 64 * 1024 * 1024:  # the largest per-record cap the YAML allows
             raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
         if self.max_detached < 0 or self.max_detached_per_client < 0:

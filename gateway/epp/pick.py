@@ -19,7 +19,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.acceptance import temperature_band
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
-from gateway.proxy.json_depth import check_json_depth
+from gateway.proxy.json_depth import check_json_containers, check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
@@ -119,6 +119,7 @@ def pick(
     rt.authenticate(headers.get("authorization"))
     if len(raw) > rt.settings.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
+    check_json_containers(raw, rt.settings.max_json_containers)
     body = parse_object(raw)
     check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live

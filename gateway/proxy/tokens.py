@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import GatewayError, InvalidJSON, InvalidParameter, ModelNotFound
+from gateway.errors import GatewayError, InvalidParameter, ModelNotFound
+from gateway.proxy.body_read import read_json
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response
@@ -28,14 +28,10 @@ from gateway.runtime.container import Runtime
 CLASS = "unclassified"
 
 
-async def _body(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    raw = await read_limited(request, limit)
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidJSON("request body must be a JSON object")
+async def _body(request: Request, rt: Runtime) -> tuple[bytes, dict[str, Any]]:
+    """The body, checked as a proxied POST's (a large one parsed in the parsing process: only ``model`` is read)."""
+    raw = await read_limited(request, rt.settings.max_body_bytes)
+    body, _ = await read_json(raw, rt.settings, rt.parse_pool, None, scan_chars=0, fingerprint=None, pools={})
     return raw, body
 
 
@@ -47,7 +43,7 @@ async def _forward(request: Request, path: str) -> Response | ProxyExchange:
     extra = {"x-request-id": rec.request_id}
     try:
         rt.authenticate(headers.get("authorization"))
-        raw, body = await _body(request, rt.settings.max_body_bytes)
+        raw, body = await _body(request, rt)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidParameter("'model' is required and must be a string", param="model")

@@ -7,14 +7,14 @@ client errors (unknown model, no pool for embeddings, bad parameters) exactly as
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.config.schema import RoutingRules, TrafficClass
 from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
-from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
+from gateway.routing.classify import Classifier, Endpoint, RequestFeatures, Texts
 from gateway.routing.plan import Plan, PoolView, plan_route
 from gateway.routing.prompt_key import continues, prompt_chunks
 from gateway.routing.routing_state import RouteChoice, RoutingState
@@ -79,10 +79,14 @@ def decide(
     rng: random.Random,
     *,
     count: bool = True,
+    texts: Callable[[], Texts] | None = None,
+    prompt: tuple[int, ...] | None = None,
 ) -> Decision:
     """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
-    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404."""
+    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
+    texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk); ``prompt``: its
+    chunk hashes, taken from the rendering made there."""
     if endpoint is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
@@ -92,7 +96,7 @@ def decide(
             raise ModelNotFound(not_found(model, live.pools[pool_name].models), param="model")
         plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
         return Decision("embeddings", plan, stream=False, max_attempts=1)
-    c = live.classifier.classify(endpoint, body, task_header)
+    c = live.classifier.classify(endpoint, body, task_header, texts)
     f = c.features
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
@@ -100,7 +104,7 @@ def decide(
             c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
         )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
-    prompt, warmth, eligible = _warmth(live, endpoint, body, choice)
+    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
@@ -131,7 +135,11 @@ def decide(
 
 
 def _warmth(
-    live: RoutingInputs, endpoint: Endpoint, body: Mapping[str, Any], choice: RouteChoice | None
+    live: RoutingInputs,
+    endpoint: Endpoint,
+    body: Mapping[str, Any],
+    choice: RouteChoice | None,
+    hashed: tuple[int, ...] | None = None,
 ) -> tuple[tuple[int, ...] | None, dict[str, int] | None, bool]:
     """For a class with a controller whose pools have prefix affinity on: the prompt's chunk hashes (the attempts
     record them, so that the next turn finds its prefix), each controller pool's counted warm prefix of it (only
@@ -142,7 +150,7 @@ def _warmth(
     pools = [p for _, name in choice.pools if (p := live.pools.get(name)) is not None]
     if not any(p.affinity.enabled for p in pools):
         return None, None, False
-    prompt = prompt_chunks(endpoint, body)
+    prompt = prompt_chunks(endpoint, body) if hashed is None else hashed
     if not prompt or not any(p.indexed() for p in pools):
         return prompt, None, False
     return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, continues(endpoint, body)

@@ -16,6 +16,7 @@ anything unexpected is left out.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +35,10 @@ def _part(part: Any) -> str:
     text = part.get("text")
     if isinstance(text, str):
         return text
-    # An image or audio part: its identity, not its (possibly large) bytes.
-    return f"<{part.get('type')}:{hash(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))}>"
+    # An image or audio part: its identity, not its (possibly large) bytes. A digest, not ``hash()``: the text is
+    # the same in every process (a large body's prompt is rendered in a parsing process).
+    digest = hashlib.blake2b(orjson.dumps(part, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
+    return f"<{part.get('type')}:{digest}>"
 
 
 def _content(content: Any) -> str:

@@ -38,6 +38,7 @@ from gateway.routing.controller import Transition
 from gateway.routing.routing_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
+from gateway.runtime.parse_pool import ParsePool
 from gateway.runtime.reload import Reloader, ReloadResult
 from gateway.runtime.workers import WorkerGroup
 from gateway.store.base import Store, StoreUnavailable
@@ -69,6 +70,8 @@ class Runtime:
         self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
         self.trusted_proxies = settings.trusted_proxy_networks()  # whose X-Forwarded-For is kept (proxy.headers)
+        # Large request bodies are parsed in these processes (gateway.proxy.parse_pool); None: on the event loop.
+        self.parse_pool = ParsePool(settings.parse_workers) if settings.parse_workers > 0 else None
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         token = (settings.metrics_token or "").strip()
@@ -349,6 +352,8 @@ class Runtime:
         )
         if self.cluster is not None:
             self.cluster.start()
+        if self.parse_pool is not None:
+            self.parse_pool.start()
         health = run_every(self._health_round, lambda: self.settings.health_interval_s, what="health", log=logger)
         scrape = run_every(
             self._scrape_round,
@@ -389,5 +394,7 @@ class Runtime:
         await self.overrides.close()
         for client in self.live.clients.values():
             await client.close()
+        if self.parse_pool is not None:
+            await self.parse_pool.close()
         if self.tracing is not None:  # the spans still buffered go out (bounded by the exporter's timeout)
             await asyncio.to_thread(self.tracing.shutdown)
