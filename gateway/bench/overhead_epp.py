@@ -11,17 +11,35 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import yaml
 
 from gateway.bench.envoy import envoy_binary, envoy_command, render_envoy
 from gateway.sim.launch import free_port
 
-if TYPE_CHECKING:
-    from gateway.bench.overhead import OverheadRow
+
+class _Measured(Protocol):
+    @property
+    def rps(self) -> float: ...
+    @property
+    def p50_s(self) -> float: ...
+    @property
+    def p99_s(self) -> float: ...
+
+
+class _Row(Protocol):
+    """What the EPP section reads of one measured row (``gateway.bench.overhead.OverheadRow``)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def connections(self) -> int: ...
+    @property
+    def results(self) -> Mapping[str, _Measured]: ...
+
 
 EPP_TARGETS = ("envoy", "envoy-epp")
 TARGET_EPP_RPS_32 = 1500  # one picker process, through Envoy, 32 connections, everything on the 2-core machine
@@ -53,7 +71,7 @@ def start_epp_targets(workdir: Path, rules: Path, upstream_url: str, start: Star
         yield urls
 
 
-def render_epp(rows: list[OverheadRow], skipped: str | None) -> list[str]:
+def render_epp(rows: Sequence[_Row], skipped: str | None) -> list[str]:
     """The EPP section: req/s per connection count, the picker's added latency over Envoy alone, the targets."""
     if skipped is not None:
         return [f"EPP path (Envoy + specgate epp): not measured: {skipped}"]
