@@ -12,11 +12,15 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	@# xds-protos (the epp extra) ships an old copy of opentelemetry-proto's modules over the real package's files;
+	@# the real package goes back on top, or the OTLP exporter cannot import (ext_proc does not use those modules).
+	$(BIN)/pip install --disable-pip-version-check -q --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 ## Start the gateway on :8080 with two simulated vLLM pools (no GPU, no Redis).
 run: $(STAMP)
-	$(BIN)/specgate demo
+	$(BIN)/specgate demo $(ARGS)
 
 ## Set up and run the whole test suite (the console's browser tests need Debian's chromium: installed here
 ## when run as root with apt, else they skip and say so).

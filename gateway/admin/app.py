@@ -185,6 +185,15 @@ def per_worker_refusal(rt: Runtime) -> str | None:
     return None
 
 
+def _hit_ratio(rt: Runtime, pool: str, endpoint: str, now: float) -> float | None:
+    """An endpoint's measured prefix-cache hit rate over the scrape window (``specgate_prefix_measured_hit_ratio``);
+    None while unknown (not scraped, stale, no prompt looked up)."""
+    load = rt.scraper.loads.get(pool)
+    ep = None if load is None else load.endpoints.get(endpoint)
+    d = None if ep is None else ep.deltas(now)
+    return None if d is None else d.prefix_hit_ratio
+
+
 def state_dict(rt: Runtime) -> dict[str, Any]:
     """Everything /admin/state shows: numbers the gateway does not know are null, never 0."""
     live = rt.live
@@ -216,6 +225,10 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
                     "ejected": e.ejected,
                     "ejected_for_s": max(0.0, e.ejected_until - now) if e.ejected else None,
                     "last_error": e.last_error,
+                    # the server's own prefix-cache hit rate over the scrape window (null: unknown), and how many
+                    # prompt chunks the gateway's index of it holds (gateway.fleet.prefix_index)
+                    "prefix_hit_ratio": _hit_ratio(rt, name, e.id, now),
+                    "prefix_index_chunks": len(e.prefixes),
                 }
                 for e in pool.endpoints
             ],

@@ -15,7 +15,7 @@ are refused without an admin token; ``read_routes`` are not)::
 ``ttl``: seconds or "90s" / "30m" / "2h" / "1d"; "never" keeps it until removed; missing: the YAML's
 ``admin.default_ttl_s``; at most ``admin.max_ttl_s``. Bad input is 400 naming ``param``; an unknown pool, endpoint,
 class or override is 404; the store unreachable is 503 (nothing changed). The actor recorded in the audit is the
-``X-Specgate-Actor`` header when given, else ``admin:<token fingerprint>``.
+``X-Specgate-Actor`` header when given (the CLI sends ``SPECGATE_ADMIN_ACTOR``), else plain ``admin``.
 """
 
 from __future__ import annotations

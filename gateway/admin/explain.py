@@ -8,7 +8,7 @@ JSON-able dict::
     features        every routing feature (max_tokens null when the client set no limit); null for embeddings
     task_type       and task_source (header | rule | default)
     traffic_class   name, description, route (preferred / saturated / fallback / saturation), controlled
-    controller      the class controller's snapshot (gateway.routing.route_state), or null for a static route
+    controller      the class controller's snapshot (gateway.routing.routing_state), or null for a static route
     choice          the controller's answer for this request (state, pick, share, why: home | spill | probe | guard |
                     forced | stale, probe_share), or null
     expected_completion  per candidate pool: the class's expected completion time in the last scrape round and its
@@ -23,6 +23,10 @@ JSON-able dict::
                     prompt (approximate tokens), whether it counts, its load and whether that is over the bound, and
                     its index's size; then the endpoint the affinity rule picks and why (warm | cold | over_bound:
                     cold and over_bound leave the pick to the least-loaded choice); null for embeddings
+    warm_home       for a class with a controller whose pools keep prefix indexes: the longest counted warm prefix
+                    of this prompt per controller pool (tokens, 0: cold), the pool the controller drew, the warm pool
+                    and the verdict (won | not_eligible | cold | not_longer | full | saturated,
+                    ``gateway.routing.warm_home``) with a sentence; null when not weighed
     config          source and digest of the routing YAML in force
 
 While a class is split, ``choice.pick`` and the plan show one draw; ``choice.share`` is the chance of the other.
@@ -50,7 +54,8 @@ from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, Endpoint
 from gateway.routing.decision import Decision, decide
 from gateway.routing.fairshare import share_of
-from gateway.routing.plan import Plan, is_saturated
+from gateway.routing.ownership import is_saturated
+from gateway.routing.plan import STICKY, Plan
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
@@ -234,7 +239,8 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
         "expected_completion": None if controller is None else controller.get("estimates"),
         "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
         "plan": {
-            "reason": d.plan.reason,
+            # a follow-up goes only where its conversation is (see "stateful"), under the proxy's reason for it
+            "reason": STICKY if _follow_up(endpoint, body) else d.plan.reason,
             "empty": d.plan.empty,  # the proxy would answer 503 no_capacity
             "steps": plan_steps(d.plan, live, klass, d.max_attempts),
             "skipped": [{"pool": p, "reason": why} for p, why in d.plan.skipped],
@@ -243,6 +249,7 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             and not any(rt.attempts.admits(live.pools[p]) for p in d.plan.pools if p in live.pools),
         },
         "prefix_affinity": None if endpoint is None else _affinity(live, d.plan, prompt_chunks(endpoint, body)),
+        "warm_home": _warm_home(d),
         "config": {"source": live.source, "digest": live.digest},
         "stateful": _stateful(endpoint, body),
         "tenant": _tenant(rt, headers, d.plan.pools),
@@ -301,6 +308,33 @@ def _affinity(live: LiveConfig, plan: Plan, chunks: tuple[int, ...]) -> dict[str
             "why": why if cfg.enabled else "disabled",
         }
     return out
+
+
+WARM_NOTES = {
+    "won": "the conversation's prefix is longer on {pool}: it goes there first",
+    "not_eligible": "not weighed: a new conversation (no earlier answer in the prompt), or the controller did not "
+    "draw by load or hold its safe state (probe, guard)",
+    "cold": "no controller pool holds a counted prefix of this prompt",
+    "not_longer": "the drawn pool holds at least as long a prefix",
+    "full": "{pool} is warm but full for visitors (its home classes' in-flight limit): the class's draw stands",
+    "saturated": "{pool} is warm but over its in-flight limit with the other pool less loaded: the spill stands",
+}
+
+
+def _warm_home(d: Decision) -> dict[str, Any] | None:
+    """The warm-home decision of this request (``gateway.routing.warm_home``); None when it was not weighed."""
+    w = d.plan.warm
+    if d.warmth is None:
+        return None
+    out: dict[str, Any] = {"warmth": dict(d.warmth)}
+    if w is None:
+        return {**out, "verdict": None, "note": "not weighed for this plan"}
+    note = WARM_NOTES[w.verdict].format(pool=w.pool)
+    return {**out, "drawn_pool": w.drawn_pool, "pool": w.pool, "verdict": w.verdict, "note": note}
+
+
+def _follow_up(endpoint: Endpoint | None, body: Mapping[str, Any]) -> bool:
+    return endpoint == "responses" and isinstance(body.get("previous_response_id"), str)
 
 
 def _stateful(endpoint: Endpoint | None, body: Mapping[str, Any]) -> dict[str, Any] | None:

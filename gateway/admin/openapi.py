@@ -171,7 +171,7 @@ def _schemas() -> dict[str, Any]:
                 "reason": {"type": "string"},
                 "actor": {
                     "type": "string",
-                    "description": "'admin' + token fingerprint, or the X-Specgate-Actor header",
+                    "description": "the X-Specgate-Actor header (the CLI sends SPECGATE_ADMIN_ACTOR), else 'admin'",
                 },
                 "created_at": {"type": "number", "description": "epoch seconds"},
                 "expires_at": {**nullable_num, "description": "epoch seconds; null: until removed"},

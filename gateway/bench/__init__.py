@@ -10,4 +10,8 @@
 - ``gateway.bench.soak`` / ``gateway.bench.soak_checks``: many concurrent streams for a long time with faults on a
   schedule, and its invariants (one terminal outcome per request, gauges back to 0, flat memory, no busy endpoint
   ejected).
+- ``gateway.bench.policies`` (mixes: ``mix``, load: ``load``, report: ``plots``): routing policies across offered
+  loads on simulated pools; ``gateway.bench.peer``: the vllm-router peer policies' command line;
+  ``gateway.bench.conversations`` / ``gateway.bench.multiturn`` / ``gateway.bench.multiturn_report``: multi-turn
+  mixes (the conversation plan, the sweep that sends them with the servers' prefix hit rate, its report).
 """

@@ -3,7 +3,9 @@
 ``python -m gateway.bench.attacks flood --port P`` sends huge request heads from several clients for a while and
 prints, as JSON, the statuses they got and a bystander's ``/health`` latencies meanwhile. ``upstream --port P
 --mode gzip-bomb|huge-body|endless-header`` serves a pool that misbehaves so; ``bomb --url U --pid N`` sends one
-request through a gateway and reports the gateway's peak RSS growth (Linux ``VmHWM``). Run them against one
+request through a gateway and reports the gateway's peak RSS growth (Linux ``VmHWM``); ``bigbody --url U`` posts
+a legal 7.9 MB chat body of 230k tiny messages a few times and reports how long a concurrent ``/health`` waited
+meanwhile (its worst wait per post, in ms). Run them against one
 gateway version, then another, to compare (docs/limits.md lists the numbers measured).
 
 The tests use the same attack code (``tests/integration/test_limits_*``), started as a separate process so that
@@ -152,6 +154,48 @@ async def _hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, m
             await writer.drain()
 
 
+def big_body_stall(url: str, *, messages: int, posts: int, model: str) -> dict[str, object]:
+    """Post a chat body of ``messages`` tiny messages ``posts`` times, one after another, while another client
+    polls ``/health``: the worst ``/health`` latency seen during each post, and the status each post got."""
+    one = {"role": "user", "content": "hello"}
+    body = json.dumps({"model": model, "max_tokens": 4, "messages": [one] * messages}, separators=(",", ":"))
+    raw = body.encode()
+    seen: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                client.get(url + "/health")
+                seen.append((t0, time.perf_counter() - t0))
+                time.sleep(0.002)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    time.sleep(0.5)
+    idle = [lat for _, lat in seen]
+    worst: list[float] = []
+    statuses: list[int] = []
+    with httpx.Client(timeout=120) as client:
+        for _ in range(posts):
+            t0 = time.perf_counter()
+            r = client.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            t1 = time.perf_counter()
+            time.sleep(0.3)  # a /health sent during the post may still be waiting: let it finish
+            statuses.append(r.status_code)
+            worst.append(max((lat for start, lat in list(seen) if t0 <= start <= t1), default=0.0))
+    stop.set()
+    poller.join()
+    return {
+        "body_bytes": len(raw),
+        "statuses": statuses,
+        "health_idle_p50_ms": round(percentile(idle, 0.5) * 1000, 2) if idle else None,
+        "health_worst_ms_per_post": [round(w * 1000, 1) for w in worst],
+        "health_worst_ms_median": round(percentile(worst, 0.5) * 1000, 1),
+    }
+
+
 async def serve_hostile(port: int, mode: str, size: int) -> None:
     server = await asyncio.start_server(lambda r, w: _hostile(r, w, mode, size), "127.0.0.1", port)
     async with server:
@@ -177,8 +221,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("--pid", type=int, required=True)
     b.add_argument("--stream", action="store_true")
     b.add_argument("--model", default="meta-llama/Llama-3.3-70B-Instruct")
+    g = sub.add_parser("bigbody", help="legal bodies of many tiny messages; a concurrent /health's wait")
+    g.add_argument("--url", required=True)
+    g.add_argument("--messages", type=int, default=230_000)
+    g.add_argument("--posts", type=int, default=6)
+    g.add_argument("--model", default="meta-llama/Llama-3.3-70B-Instruct")
     a = parser.parse_args(argv)
-    if a.cmd == "flood":
+    if a.cmd == "bigbody":
+        print(json.dumps(big_body_stall(a.url, messages=a.messages, posts=a.posts, model=a.model)))
+    elif a.cmd == "flood":
         result: dict[str, object] = {}
         if a.no_bystander:
             statuses = flood(a.host, a.port, huge_header(a.size), a.clients, a.seconds)

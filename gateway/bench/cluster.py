@@ -291,7 +291,7 @@ def render(run: ClusterRun) -> str:
         f"(one replica alone: {1 / run.interval_s:.2f}/s; "
         f"every replica scraping: {run.replicas / run.interval_s:.2f}/s)",
         f"  /health per endpoint:   mean {statistics.mean(h):.2f}/s, max {max(h):.2f}/s "
-        "(the health checker's and the scraper's probe, leader only)",
+        "(the health checker's, leader only)",
         f"  roles: {run.roles}",
         f"  snapshot lag publish->applied: p50 {p(0.5) * 1000:.1f} ms, p99 {p(0.99) * 1000:.1f} ms "
         f"({len(lag)} samples)",

@@ -20,10 +20,10 @@ RESAMPLES = 400
 LEVEL = 0.90
 
 
-def _resampled_p99(values: Sequence[float], rng: random.Random) -> float:
+def _resampled_p99(values: Sequence[float], rng: random.Random, q: float = 0.99) -> float:
     n = len(values)
     draw = [values[int(rng.random() * n)] for _ in range(n)]
-    return percentile(draw, 0.99)
+    return percentile(draw, q)
 
 
 def ratio_interval(
@@ -33,16 +33,17 @@ def ratio_interval(
     resamples: int = RESAMPLES,
     level: float = LEVEL,
     seed: int = 0,
+    q: float = 0.99,
 ) -> tuple[float, float]:
-    """The central ``level`` interval of p99(adaptive) / min(p99(baseline)) over bootstrap resamples;
-    (NaN, NaN) when a side has no requests."""
+    """The central ``level`` interval of p99(adaptive) / min(p99(baseline)) over bootstrap resamples (``q``: another
+    percentile than the 99th); (NaN, NaN) when a side has no requests."""
     if not adaptive or not baselines or any(not b for b in baselines):
         return math.nan, math.nan
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
-        best = min(_resampled_p99(b, rng) for b in baselines)
-        ratios.append(_resampled_p99(adaptive, rng) / best if best > 0 else math.inf)
+        best = min(_resampled_p99(b, rng, q) for b in baselines)
+        ratios.append(_resampled_p99(adaptive, rng, q) / best if best > 0 else math.inf)
     ratios.sort()
     tail = (1.0 - level) / 2
     lo = ratios[int(tail * resamples)]

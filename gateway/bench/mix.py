@@ -23,6 +23,9 @@ A mix (``bench/mixes/*.yaml``)::
         prompts: builtin                         # or {file: prompts.jsonl, field: prompt}
         targets: {ttft_s: 1.0}
 
+A mix with a ``conversations`` block sends multi-turn conversations built from these classes
+(``gateway.bench.conversations``).
+
 A JSONL prompt file holds one prompt per line: a JSON string, an object with ``field`` (default ``prompt``) or an
 object with ``messages``. Sampling is deterministic for a given ``random.Random``.
 """
@@ -225,6 +228,7 @@ class Mix:
     arrivals: str = "poisson"
     output_len_median: float | None = None
     target: Target = field(default_factory=lambda: Target())
+    conversations: Any = None  # a multi-turn mix's ``conversations`` block, parsed by ``bench.conversations``
 
     def arrival_kind(self, rate: float) -> str:
         """The arrival process at ``rate`` requests/s: ``arrivals`` with its rates scaled by ``rate``."""
@@ -394,6 +398,7 @@ def parse_mix(data: Any, base: Path = Path(".")) -> Mix:
         arrivals=_arrivals(data.get("arrivals", "poisson")),
         output_len_median=None if data.get("output_len_median") is None else float(data["output_len_median"]),
         target=_target(data.get("target")),
+        conversations=data.get("conversations"),
     )
 
 

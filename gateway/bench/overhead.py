@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from gateway.bench.overhead_epp import EPP_TARGETS, render_epp, start_epp_targets
 from gateway.sim.launch import free_port, wait_for_port
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
@@ -218,12 +219,20 @@ def measure_ttft(port: int, body: bytes, duration_s: float) -> tuple[float, floa
 
 
 def bench_overhead(
-    connections: list[int], duration_s: int, *, prompt_chars: int = 2000, tool: str = "wrk", tracing: bool = False
+    connections: list[int],
+    duration_s: int,
+    *,
+    prompt_chars: int = 2000,
+    tool: str = "wrk",
+    tracing: bool = False,
+    epp: bool = True,
 ) -> tuple[list[OverheadRow], StreamCost]:
     """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``);
-    ``tracing``: the ``TRACED`` targets too."""
+    ``tracing``: the ``TRACED`` targets too; ``epp`` (where Envoy and the epp extra are here, ``epp_skipped``):
+    Envoy alone and Envoy + ``specgate epp``, non-streaming."""
     rows: list[OverheadRow] = []
     targets = (*TARGETS, *TRACED) if tracing else TARGETS
+    with_epp = epp and epp_skipped() is None
     with tempfile.TemporaryDirectory(prefix="specgate-bench-") as tmp:
         d = Path(tmp)
         text = ("lorem ipsum dolor sit amet " * (prompt_chars // 27 + 1))[:prompt_chars]
@@ -276,10 +285,12 @@ def bench_overhead(
                     cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
                     stack.enter_context(_process(cmd, ports[name], env))
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
+            if with_epp:
+                urls.update(stack.enter_context(start_epp_targets(d, rules, up_url, _process)))
             for mode in ("json", "stream"):
                 for c in connections:
                     results: dict[str, WrkResult] = {}
-                    for target in targets:
+                    for target in (*targets, *EPP_TARGETS) if with_epp and mode == "json" else targets:
                         url = urls[target] + "/v1/chat/completions"
                         run_tool(tool, url, scripts[mode], c, 1)  # warm connection pools and caches
                         results[target] = run_tool(tool, url, scripts[mode], c, duration_s)
@@ -304,7 +315,14 @@ TARGET_RPS_32 = 3000  # non-streaming, 32 connections, load tool and upstream on
 TARGET_ADDED_TTFT_MS = 1.0  # streams, p50
 
 
-def render(rows: list[OverheadRow], streams: StreamCost | None = None) -> str:
+def epp_skipped() -> str | None:
+    """Why the EPP targets cannot run here (no Envoy binary, no epp extra), or None."""
+    from gateway.bench.envoy import missing
+
+    return missing()
+
+
+def render(rows: list[OverheadRow], streams: StreamCost | None = None, epp_note: str | None = None) -> str:
     head = (
         f"{'mode':<7}{'conns':>6} {'target':<16}{'req/s':>9}{'vs direct':>10}{'vs minimal':>11}"
         f"{'p50':>10}{'p99':>10}{'added p50':>11}{'added p99':>11}{'errors':>8}"
@@ -313,7 +331,7 @@ def render(rows: list[OverheadRow], streams: StreamCost | None = None) -> str:
     for r in rows:
         base_rps = r.results["direct"].rps
         minimal_rps = r.results["minimal-aiohttp"].rps
-        for target in (t for t in (*TARGETS, *TRACED) if t in r.results):
+        for target in (t for t in (*TARGETS, *TRACED, *EPP_TARGETS) if t in r.results):
             w = r.results[target]
             vs_direct = f"{w.rps / base_rps:.2f}" if base_rps else "-"
             vs_min = f"{w.rps / minimal_rps:.2f}" if minimal_rps and target != "direct" else ""
@@ -345,6 +363,8 @@ def render(rows: list[OverheadRow], streams: StreamCost | None = None) -> str:
             )
         lines.append("")
     lines.extend(_targets(rows, streams))
+    lines.append("")
+    lines.extend(render_epp(rows, epp_note))
     return "\n".join(lines)
 
 

@@ -11,17 +11,25 @@ from gateway.sim.physics import DraftCost, TargetCost
 from gateway.sim.presets import get_preset
 from gateway.sim.wire import OutputLengths
 
-POLICIES = ("standard", "speculative", "nginx", "adaptive")
+POLICIES = (
+    "standard", "speculative", "nginx", "adaptive", "peer-cache-aware", "peer-round-robin", "peer-cache-aware-mixed"
+)  # fmt: skip
+DEFAULT_POLICIES = POLICIES[:4]  # the peers (``bench.peer``) run only when asked for
 LABELS = {
     "standard": "2x standard",
     "speculative": "2x speculative",
     "nginx": "NGINX temperature rule",
     "adaptive": "specgate adaptive",
+    "peer-cache-aware": "vllm-router cache_aware, standard fleet",
+    "peer-round-robin": "vllm-router round_robin, standard fleet",
+    "peer-cache-aware-mixed": "vllm-router cache_aware, mixed fleet",
 }
 POLICY_FILES = {
     "standard": "bench/policies/standard-only.yaml",
     "speculative": "bench/policies/speculative-only.yaml",
     "nginx": "bench/policies/nginx-seed.yaml",
+    "peer-cache-aware": "bench/policies/standard-only.yaml",
+    "peer-round-robin": "bench/policies/standard-only.yaml",
 }
 DEFAULT_LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
 FIRST_WARMUP = 3  # a sweep's first load point warms up this many times as long (the controllers start from home)

@@ -10,6 +10,11 @@ speculative + standard servers of the mixed fleet) and the gateway in front of t
 - ``adaptive``: the mixed fleet behind specgate's routing for the mix (``routing_rules/default.yaml`` for the default
   mix), with its controllers; their time constants are scaled like the simulators' clocks
   (``bench controller``'s ``scaled_rules``).
+- ``peer-cache-aware``, ``peer-round-robin``, ``peer-cache-aware-mixed``: the Rust ``vllm-router`` instead of the
+  gateway, in front of the homogeneous standard fleet or the mixed one (``bench.peer``), only when asked for.
+
+A mix with conversations goes to ``bench.multiturn`` instead (the CLI dispatches); ``running_fleet`` starts the
+servers and the front for both.
 
 The simulated servers are scaled-down copies of the 70B preset: a running batch of ``max_num_seqs`` (8) stands
 for one of ``max_num_seqs × scale`` (256), because every per-token cost (γ, γ_prefill, α of the target and the
@@ -40,9 +45,9 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +57,9 @@ from gateway.bench.controller import scaled_rules
 from gateway.bench.cpu import CpuMeter
 from gateway.bench.load import Result, arrival_times, run_load, summarise, write_jsonl
 from gateway.bench.mix import Mix, plan_request
+from gateway.bench.peer import MIXED_PEERS, PEER_POLICIES, require_router, router_command
 from gateway.bench.plots import write_report
-from gateway.bench.points import FIRST_WARMUP, LABELS, POLICIES, POLICY_FILES, Point, Setup
+from gateway.bench.points import DEFAULT_POLICIES, FIRST_WARMUP, LABELS, POLICIES, POLICY_FILES, Point, Setup
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET, free_port, spec_config_json, wait_for_port
 from gateway.sim.physics import step_time
@@ -87,7 +93,7 @@ def sim_command(setup: Setup, pool: dict[str, Any], port: int, seed: int) -> lis
 def policy_rules(policy: str, adaptive: dict[str, Any], root: Path) -> dict[str, Any]:
     """The routing rules of a policy, its pools' model (and speculative method) taken from the adaptive rules."""
     pools = [p for p in adaptive["pools"] if p["name"] != adaptive.get("embeddings_pool")]
-    if policy == "adaptive":
+    if policy == "adaptive" or policy in MIXED_PEERS:  # a mixed-fleet peer: the same servers, another router
         rules: dict[str, Any] = dict(adaptive)
         rules.pop("embeddings_pool", None)
         rules["pools"] = pools
@@ -192,6 +198,68 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait(timeout=5)
 
 
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """A policy's running servers and the router in front of them."""
+
+    url: str  # the front: the gateway or a peer router
+    sim_ports: list[int]
+    pids: dict[str, int | None]  # process name -> pid, for ``CpuMeter`` (None: this process)
+    spec_pools: frozenset[str]
+    model: str
+
+
+@contextlib.contextmanager
+def running_fleet(
+    policy: str, rules: dict[str, Any], setup: Setup, model: str | None = None, sim_args: tuple[str, ...] = ()
+) -> Iterator[Fleet]:
+    """Start the policy's simulated servers (``sim_args`` added to their command lines) and its front (the gateway,
+    or ``vllm-router`` for a peer policy); stop them all on the way out."""
+    counts = servers_per_pool(rules, setup)
+    ports = {name: [free_port() for _ in range(k)] for name, k in counts.items()}
+    procs: list[subprocess.Popen[bytes]] = []
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    spec_pools = frozenset(p["name"] for p in rules["pools"] if p.get("kind") == "speculative")
+    router = require_router() if policy in PEER_POLICIES else None  # before any server starts
+    try:
+        for pool in rules["pools"]:
+            for i, port in enumerate(ports[pool["name"]]):
+                cmd = [*sim_command(setup, pool, port, setup.seed + i), *sim_args]
+                procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
+        with tempfile.TemporaryDirectory(prefix="specgate-policies-") as tmp:
+            for plist in ports.values():
+                for port in plist:
+                    wait_for_port(port, 30.0)
+            _alive(procs, "a simulated server")  # a server that died (its port taken) must not pass as another's
+            front_port = free_port()
+            if router is not None:
+                workers = [f"http://127.0.0.1:{port}" for plist in ports.values() for port in plist]
+                cmd = router_command(router, policy, workers, front_port, free_port())
+                what = "vllm-router"
+                procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
+            else:
+                path = Path(tmp) / "rules.yaml"
+                path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
+                cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(front_port)]
+                cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
+                what = "the gateway"
+                procs.append(subprocess.Popen(cmd))
+            wait_for_port(front_port, 60.0)
+            _alive(procs, what)
+            sim_pids = [p.pid for p in procs[:-1]]
+            servers = {f"server {i}": pid for i, pid in enumerate(sim_pids)}
+            front = "vllm-router" if router is not None else "gateway"
+            yield Fleet(
+                url=f"http://127.0.0.1:{front_port}",
+                sim_ports=[port for plist in ports.values() for port in plist],
+                pids={"load generator": None, front: procs[-1].pid, **servers},
+                spec_pools=spec_pools,
+                model=model or rules["pools"][0]["models"][0],
+            )
+    finally:
+        _stop(procs)
+
+
 def run_policy(
     policy: str,
     rules: dict[str, Any],
@@ -203,82 +271,55 @@ def run_policy(
     jsonl: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Point]:
-    """Start the policy's servers and the gateway; one open-loop run per load; stop everything."""
-    counts = servers_per_pool(rules, setup)
-    ports = {name: [free_port() for _ in range(k)] for name, k in counts.items()}
-    procs: list[subprocess.Popen[bytes]] = []
+    """Start the policy's servers and its front; one open-loop run per load; stop everything."""
     points: list[Point] = []
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    spec_pools = frozenset(p["name"] for p in rules["pools"] if p.get("kind") == "speculative")
-    model = mix.model or rules["pools"][0]["models"][0]
-    try:
-        for pool in rules["pools"]:
-            for i, port in enumerate(ports[pool["name"]]):
-                procs.append(subprocess.Popen(sim_command(setup, pool, port, setup.seed + i), **quiet))  # type: ignore[call-overload]
-        with tempfile.TemporaryDirectory(prefix="specgate-policies-") as tmp:
-            for plist in ports.values():
-                for port in plist:
-                    wait_for_port(port, 30.0)
-            _alive(procs, "a simulated server")  # a server that died (its port taken) must not pass as another's
-            path = Path(tmp) / "rules.yaml"
-            path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
-            gw_port = free_port()
-            cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(gw_port)]
-            cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
-            procs.append(subprocess.Popen(cmd))
-            wait_for_port(gw_port, 30.0)
-            _alive(procs, "the gateway")
-            url = f"http://127.0.0.1:{gw_port}"
-            sim_pids = [p.pid for p in procs[:-1]]
-            sim_ports = [port for plist in ports.values() for port in plist]
-            servers = {f"server {i}": pid for i, pid in enumerate(sim_pids)}
-            meter = CpuMeter({"load generator": None, "gateway": procs[-1].pid, **servers})
-            for i, load in enumerate(loads):
-                rate = load * capacity_rps
-                start = time.monotonic()
-                if setup.warmup_s > 0:  # the controllers settle at the new rate; nothing of it is measured
-                    warm = arrival_times(
-                        mix.arrival_kind(rate / setup.time_scale),
-                        rate / setup.time_scale,
-                        # the first point starts from the YAML's homes, not from a neighbouring load's shares
-                        setup.warmup_s * (FIRST_WARMUP if i == 0 else 1),
-                        random.Random(setup.seed + i + 500),
-                    )
-                    asyncio.run(run_load(url, mix, warm, model=model, seed=setup.seed + 600 + i,
-                                         time_scale=setup.time_scale))  # fmt: skip
-                lag_before = sim_clocks(sim_ports)
-                meter.start()
-                results: list[Result] = []
-                repeats = runs_for(rate, setup)
-                for r in range(repeats):  # repeat 0 has the seeds of a single run
-                    times = arrival_times(
-                        mix.arrival_kind(rate / setup.time_scale),
-                        rate / setup.time_scale,
-                        setup.duration_s,
-                        random.Random(setup.seed + i + 1000 * r),
-                    )
-                    run = asyncio.run(
-                        run_load(url, mix, times, model=model, seed=setup.seed + 100 + i + 1000 * r,
-                                 time_scale=setup.time_scale)
-                    )  # fmt: skip
-                    results += run
-                    if jsonl is not None:
-                        meta = {"policy": policy, "load": load, "rate_rps": rate, "repeat": r}
-                        write_jsonl(jsonl, run, meta, append=True)
-                cpu = meter.stop()
-                lag = clock_lag(lag_before, sim_clocks(sim_ports))
-                wall = time.monotonic() - start
-                sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
-                e2e = tuple(r.e2e_s for r in results if r.ok)
-                points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e, lag))
-                s = sims[-1]
-                log(
-                    f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
-                    f"{s.errors} errors, E2E p50 {s.e2e[0]:.2f} s p99 {s.e2e[2]:.2f} s, "
-                    f"goodput {s.goodput_rps:.2f} req/s ({wall:.0f} s; busiest process {busiest(cpu)})"
+    with running_fleet(policy, rules, setup, mix.model) as fleet:
+        url, model, sim_ports, spec_pools = fleet.url, fleet.model, fleet.sim_ports, fleet.spec_pools
+        meter = CpuMeter(fleet.pids)
+        for i, load in enumerate(loads):
+            rate = load * capacity_rps
+            start = time.monotonic()
+            if setup.warmup_s > 0:  # the controllers settle at the new rate; nothing of it is measured
+                warm = arrival_times(
+                    mix.arrival_kind(rate / setup.time_scale),
+                    rate / setup.time_scale,
+                    # the first point starts from the YAML's homes, not from a neighbouring load's shares
+                    setup.warmup_s * (FIRST_WARMUP if i == 0 else 1),
+                    random.Random(setup.seed + i + 500),
                 )
-    finally:
-        _stop(procs)
+                asyncio.run(run_load(url, mix, warm, model=model, seed=setup.seed + 600 + i,
+                                     time_scale=setup.time_scale))  # fmt: skip
+            lag_before = sim_clocks(sim_ports)
+            meter.start()
+            results: list[Result] = []
+            repeats = runs_for(rate, setup)
+            for r in range(repeats):  # repeat 0 has the seeds of a single run
+                times = arrival_times(
+                    mix.arrival_kind(rate / setup.time_scale),
+                    rate / setup.time_scale,
+                    setup.duration_s,
+                    random.Random(setup.seed + i + 1000 * r),
+                )
+                run = asyncio.run(
+                    run_load(url, mix, times, model=model, seed=setup.seed + 100 + i + 1000 * r,
+                             time_scale=setup.time_scale)
+                )  # fmt: skip
+                results += run
+                if jsonl is not None:
+                    meta = {"policy": policy, "load": load, "rate_rps": rate, "repeat": r}
+                    write_jsonl(jsonl, run, meta, append=True)
+            cpu = meter.stop()
+            lag = clock_lag(lag_before, sim_clocks(sim_ports))
+            wall = time.monotonic() - start
+            sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
+            e2e = tuple(r.e2e_s for r in results if r.ok)
+            points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e, lag))
+            s = sims[-1]
+            log(
+                f"  {LABELS[policy]:<18} load {load:>4.0%} ({rate:.2f} req/s): {s.requests} requests, "
+                f"{s.errors} errors, E2E p50 {s.e2e[0]:.2f} s p99 {s.e2e[2]:.2f} s, "
+                f"goodput {s.goodput_rps:.2f} req/s ({wall:.0f} s; busiest process {busiest(cpu)})"
+            )
     return points
 
 
@@ -380,13 +421,22 @@ def _run_parallel(
     return points
 
 
+def check_policies(policies: tuple[str, ...]) -> None:
+    """Known policies, and the peer router installed where one is asked for: checked before any server starts."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if any(p in PEER_POLICIES for p in policies):
+        require_router()
+
+
 def bench_policies(
     mix: Mix,
     loads: list[float],
     setup: Setup,
     out_dir: Path,
     *,
-    policies: tuple[str, ...] = POLICIES,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
     root: Path = Path("."),
     log: Callable[[str], None] = print,
     jobs: int = 1,
@@ -394,9 +444,7 @@ def bench_policies(
     """The whole sweep: every policy at every load; report.md, the plots and results.jsonl in ``out_dir``.
     ``jobs`` > 1 runs that many policies at once, each in a process of its own."""
 
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    check_policies(policies)
     adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
     if mix.output_len_median is not None:
         setup = replace(setup, output_median=mix.output_len_median)

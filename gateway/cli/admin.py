@@ -242,6 +242,15 @@ def endpoint_state(pool: dict[str, Any], endpoint: dict[str, Any]) -> str:
     return "–" if healthy is None else "ok"
 
 
+def cluster_in_flight(pool: dict[str, Any], endpoint: dict[str, Any]) -> Any:
+    """Requests in flight to the endpoint from every replica and worker (not only the one that answered)."""
+    if "in_flight" not in endpoint:
+        return pool.get("cluster_in_flight", pool.get("in_flight"))
+    remote = endpoint.get("remote_in_flight") or 0
+    mine = endpoint.get("in_flight")
+    return mine + remote if isinstance(mine, int | float) and isinstance(remote, int | float) else mine
+
+
 def weight_text(endpoint: dict[str, Any]) -> str:
     configured = ac.number_text(endpoint.get("configured_weight", endpoint.get("weight")))
     effective = ac.number_text(endpoint.get("effective_weight"))
@@ -265,7 +274,7 @@ def _print_pools(data: dict[str, Any]) -> None:
                     escape(str(e.get("id", "–"))),
                     endpoint_state(p, e),
                     weight_text(e),
-                    cell(e.get("in_flight", p.get("in_flight")), digits=0),
+                    cell(cluster_in_flight(p, e), digits=0),
                     *pool_cells,
                 ]
             )
@@ -387,10 +396,10 @@ def _print_audit(data: dict[str, Any]) -> None:
             *(escape(str(r.get(k, "–"))) for k in ("actor", "action", "target", "reason")),
             escape(ac.detail_text(r.get("detail"))),
         ]
-        for r in records
+        for r in reversed(records)  # newest first, as the console shows them (the API answers oldest first)
     ]
     out = Console()
-    title = f"audit ({len(records)} of {data.get('total', '–')} records, newest last)"
+    title = f"audit ({len(records)} of {data.get('total', '–')} records, newest first)"
     out.print(fit_table(title, AUDIT_COLUMNS, rows, out.width))
 
 

@@ -60,8 +60,13 @@ def bench_policies_cmd(
         str, typer.Option(help="Offered loads as fractions of capacity, comma-separated.")
     ] = "0.1,0.3,0.5,0.7,0.9,1.1",
     policies: Annotated[
-        str, typer.Option(help="Policies: standard, speculative, nginx, adaptive (comma-separated).")
-    ] = "standard,speculative,nginx,adaptive",
+        str | None,
+        typer.Option(
+            help="Policies, comma-separated: standard, speculative, nginx, adaptive, and the vllm-router peers "
+            "peer-cache-aware, peer-round-robin (standard fleet), peer-cache-aware-mixed (mixed fleet). Default: "
+            "the first four; a multi-turn mix: adaptive, peer-cache-aware, peer-round-robin."
+        ),
+    ] = None,
     time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
     duration: Annotated[float, typer.Option(help="Wall seconds of arrivals per load point.")] = 12.0,
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 32,
@@ -88,10 +93,13 @@ def bench_policies_cmd(
     ),
     jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
 ) -> None:
-    """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive) on simulated pools
-    across offered loads: report.md, PNG plots, raw JSONL."""
+    """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive, vllm-router peers) on
+    simulated pools across offered loads: report.md, PNG plots, raw JSONL. A multi-turn mix (one with
+    conversations) sends conversations and reports prefix-cache hit rates."""
+    from gateway.bench.conversations import spec_of
     from gateway.bench.mix import load_mix
-    from gateway.bench.points import Setup
+    from gateway.bench.multiturn import MULTITURN_POLICIES, bench_multiturn
+    from gateway.bench.points import DEFAULT_POLICIES, Setup
     from gateway.bench.policies import bench_policies
 
     try:
@@ -109,8 +117,14 @@ def bench_policies_cmd(
             min_requests=min_requests,
         ).fleet_from(fleet)
         fractions = [float(x) for x in loads.split(",") if x.strip()]
-        names = tuple(p.strip() for p in policies.split(",") if p.strip())
-        bench_policies(load_mix(mix), fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
+        the_mix = load_mix(mix)
+        spec = spec_of(the_mix)
+        default = DEFAULT_POLICIES if spec is None else MULTITURN_POLICIES
+        names = tuple(p.strip() for p in policies.split(",") if p.strip()) if policies else default
+        if spec is None:
+            bench_policies(the_mix, fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
+        else:
+            bench_multiturn(the_mix, spec, fractions, setup, out_dir, policies=names, log=out.print)
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"report: {out_dir / 'report.md'}", highlight=False)

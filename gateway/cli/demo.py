@@ -12,19 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
-import tempfile
-from collections.abc import Collection, MutableMapping
+import sys
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gateway.admin.protocol import TOKEN_ENV, URL_ENV
+from gateway.admin.protocol import ACTOR_ENV, TOKEN_ENV, URL_ENV
 from gateway.config.settings import Settings
-from gateway.sim.launch import PRESET, free_port, plan_stand_ins, stand_in_rules, wait_for_port
+from gateway.sim.launch import PRESET, free_port, plan_stand_ins, wait_for_port
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -42,11 +43,15 @@ def demo_admin_token(environ: MutableMapping[str, str]) -> tuple[str, bool]:
     return token, True
 
 
-def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
+def run_demo(rules_path: Path, port: int, admin_port: int | None = None, *, time_scale: float = 1.0) -> None:
+    """The demo on ``port``, its admin API on ``admin_port`` (None: ``port`` + 1)."""
     from gateway.cli.serve import run_server
 
     if not rules_path.exists():
         raise RuntimeError(f"{rules_path} not found")
+    rules_path = rules_path.resolve()
+    admin_port = port + 1 if admin_port is None else admin_port
+    check_ports(port, admin_port)
     rules = yaml.safe_load(rules_path.read_text())
     ports = {p["name"]: free_port() for p in rules["pools"]}
     stand_ins = plan_stand_ins(rules, ports, time_scale=time_scale)
@@ -54,43 +59,83 @@ def run_demo(rules_path: Path, port: int, *, time_scale: float = 1.0) -> None:
     # uvicorn re-raises a captured SIGTERM once it has shut down; under the default handler that would end this
     # process before the ``finally`` below and leave the simulated servers running. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    with tempfile.TemporaryDirectory(prefix="specgate-demo-") as tmp:
+    try:
+        for s in stand_ins:
+            wait_for_port(s.port)
+        token, generated = demo_admin_token(os.environ)
+        shown = banner(rules, ports, port, admin_port, token if generated else None, rules_path, specgate_command())
+        print(shown, flush=True)
+        settings = Settings(
+            rules=rules_path,
+            host="127.0.0.1",
+            port=port,
+            health_interval_s=2.0,
+            admin_port=admin_port,
+            stand_ins=",".join(f"{name}=http://127.0.0.1:{p}" for name, p in ports.items()),
+        )
+        run_server(settings)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+def check_ports(port: int, admin_port: int) -> None:
+    """Refuse to start, before anything is printed or started, when the gateway's port or the admin port is taken
+    (another demo, say): the message names each port taken and how to choose others. Never moves a port silently:
+    the banner's URLs and ``export`` lines must be the ones that answer."""
+    if port == admin_port:
+        raise RuntimeError(f"--port and --admin-port are both {port}: choose two different ports")
+    taken = [f"{p} ({what})" for p, what in ((port, "the gateway"), (admin_port, "the admin API")) if _in_use(p)]
+    if taken:
+        raise RuntimeError(
+            f"cannot start the demo: port {' and '.join(taken)} {'is' if len(taken) == 1 else 'are'} already in use "
+            "(another demo?). Stop it, or choose free ports: make run ARGS='--port 9080 --admin-port 9081' "
+            "(or specgate demo --port 9080 --admin-port 9081)"
+        )
+
+
+def _in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT is no conflict
         try:
-            for s in stand_ins:
-                wait_for_port(s.port)
-            path = Path(tmp) / "rules.yaml"
-            path.write_text(yaml.safe_dump(stand_in_rules(rules, ports), sort_keys=False))
-            admin_port = admin_port_for(port, taken=set(ports.values()))
-            token, generated = demo_admin_token(os.environ)
-            print(banner(rules, ports, port, admin_port, token if generated else None), flush=True)
-            settings = Settings(rules=path, host="127.0.0.1", port=port, health_interval_s=2.0, admin_port=admin_port)
-            run_server(settings)
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
-def admin_port_for(port: int, taken: Collection[int] = ()) -> int:
-    """The demo's admin port: the one after the gateway's when nothing holds it (easy to remember), else any free
-    one: a simulated server or another program on port + 1 must not stop the demo from starting."""
-    nxt = port + 1 if port < 65535 else port - 1
-    if nxt not in taken:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", nxt))
-            except OSError:
-                pass
-            else:
-                return nxt
-    return free_port()
+def specgate_command(environ: Mapping[str, str] | None = None) -> str:
+    """How to run ``specgate`` from another shell, as the banner prints it: ``specgate`` when the shell's PATH
+    finds this very program, else its path (``.venv/bin/specgate`` after ``make run``), relative when under the
+    working directory."""
+    here = Path(sys.executable).parent / "specgate"
+    if not here.exists():
+        return f"{sys.executable} -m gateway"
+    path = (environ if environ is not None else os.environ).get("PATH", "")
+    found = shutil.which("specgate", path=path)
+    if found is not None and Path(found).resolve() == here.resolve():
+        return "specgate"
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
 
 
-def banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: int, new_token: str | None) -> str:
+def banner(
+    rules: dict[str, Any],
+    ports: dict[str, int],
+    port: int,
+    admin_port: int,
+    new_token: str | None,
+    rules_path: Path,
+    cmd: str = "specgate",
+) -> str:
     """What the demo prints before it serves. ``new_token``: the admin token the demo made up, shown in an
-    ``export`` line (None: the user's own ``SPECGATE_ADMIN_TOKEN``, never printed)."""
+    ``export`` line (None: the user's own ``SPECGATE_ADMIN_TOKEN``, never printed). ``cmd``: how the user's
+    shell runs ``specgate`` (``specgate_command``): every command line printed runs as printed."""
     model = rules["pools"][0]["models"][0]
     pools = ", ".join(f"{p['name']} ({p.get('kind')}) on :{ports[p['name']]}" for p in rules["pools"])
     pool = rules["pools"][0]["name"]
@@ -102,6 +147,7 @@ def banner(rules: dict[str, Any], ports: dict[str, int], port: int, admin_port: 
     return f"""
 specgate demo — gateway on http://127.0.0.1:{port}/v1
 simulated vLLM servers ({PRESET}): {pools}
+routing YAML: {rules_path} (the pools' endpoints are the simulated servers; edit the rest, the demo reloads it)
 
   curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "{model}", "temperature": 0.2, "max_tokens": 256,
@@ -113,15 +159,20 @@ simulated vLLM servers ({PRESET}): {pools}
         messages=[{{"role": "user", "content": "Tell me a story"}}])
   print(r.headers["x-specgate-class"], r.headers["x-specgate-pool"], r.parse().choices[0].message.content)
 
-On-call commands, from another shell (admin API on {admin_url}/admin):
+On-call commands, from another shell in this directory (admin API on {admin_url}/admin):
 
   export {URL_ENV}={admin_url}
 {token_line}
-  specgate pools
-  specgate weight {pool} 0.5 --reason "trying the demo" --ttl 10m
+  export {ACTOR_ENV}="$USER"   # your name in the audit log (else plain "admin")
+  {cmd} pools
+  {cmd} weight {pool} 0.5 --reason "trying the demo" --ttl 10m
+  {cmd} audit
   echo '{{"model": "{model}", "temperature": 0.2,
          "messages": [{{"role": "user", "content": "Write a Python function that reverses a list."}}]}}' \\
-    | specgate explain -
+    | {cmd} explain -
+  {cmd} reload   # after editing {rules_path.name}; also picked up by itself within seconds
+
+Console in a browser: {admin_url}/admin/ui (sign in with the token above and your name).
 
 Ctrl-C stops the gateway and the simulated servers.
 """

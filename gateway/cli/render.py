@@ -92,6 +92,8 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             text += f", last change: {ctl['last_reason']}"
         if ctl.get("holding"):
             text += f", holding: {ctl['holding']}"
+        if ctl.get("rule"):
+            text += f", decided by rule {ctl['rule']}"
         if ctl.get("guard_tripped"):
             text += f", fallback guard tripped ({ctl.get('guard_cause')})"
         if ctl.get("probe_share"):
@@ -106,8 +108,8 @@ def _header_lines(data: dict[str, Any]) -> list[str]:
             lines.append(
                 "[bold]last observation[/] "
                 + escape(
-                    f"expected completion speculative {cell(obs.get('spec_delay_s'), ' s', digits=3)} vs standard "
-                    f"{cell(obs.get('alt_delay_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
+                    f"cost speculative {cell(obs.get('spec_cost_s'), ' s', digits=3)} vs standard "
+                    f"{cell(obs.get('std_cost_s'), ' s', digits=3)}, {obs.get('samples')} samples, acceptance "
                     f"{cell(obs.get('acceptance'))}{', stale' if obs.get('stale') else ''}"
                 )
             )
@@ -285,6 +287,11 @@ def render(data: dict[str, Any], out: Console) -> None:
     affinity = _affinity_table(data, out.width)
     if affinity is not None:
         out.print(affinity)
+    warm = data.get("warm_home")
+    if warm:
+        tokens = ", ".join(f"{p}: {t}" for p, t in (warm.get("warmth") or {}).items())
+        line = f"warm home: {warm.get('verdict')} ({warm.get('note')}); warm prefix per pool: {tokens}"
+        out.print(escape(line), highlight=False, soft_wrap=True)
     if len(plan.get("steps") or []) > 1:
         out.print("[dim]each next attempt only if the one before failed before the first byte[/]", highlight=False)
     if plan.get("empty"):

@@ -42,7 +42,7 @@ from gateway.admin.protocol import TOKEN_ENV
 from gateway.cli.console import fail as _fail
 from gateway.config.settings import Settings, SettingsError
 from gateway.proxy.app import GatewayApp, create_app_from_env
-from gateway.proxy.limits import head_limits, http_protocol
+from gateway.proxy.limits import client_limits, http_protocol
 from gateway.runtime.workers import GROUP_DIR_ENV
 
 logger = logging.getLogger("specgate")
@@ -97,10 +97,15 @@ class Listeners:
     admin_socket: socket.socket | None = None
 
     async def serve(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # log lines name the listener they come from (gateway.observability.logs)
+            task.set_name("client")
         if self.admin is None:
             await self.main.serve()
             return
-        admin = asyncio.create_task(self.admin.serve(sockets=[self.admin_socket] if self.admin_socket else None))
+        admin = asyncio.create_task(
+            self.admin.serve(sockets=[self.admin_socket] if self.admin_socket else None), name="admin"
+        )
         try:
             await self.main.serve()
         finally:
@@ -228,7 +233,7 @@ def run_server(settings: Settings) -> None:
         "log_config": None,
         "access_log": False,
         "loop": "uvloop",
-        "http": http_protocol(head_limits(settings)),  # uvicorn's httptools, with the request-head limits
+        "http": http_protocol(client_limits(settings)),  # uvicorn's httptools, with the client limits
         # The ASGI client address stays the socket peer: uvicorn would otherwise take it from a loopback client's
         # X-Forwarded-For. Which peers may speak for others is --trusted-proxies (gateway.proxy.headers).
         "proxy_headers": False,

@@ -191,8 +191,8 @@ class ClusterNode:
         return role
 
     def _set_role(self, role: Role, why: str) -> None:
-        if role != self._role or why == "starting":
-            log = logger.warning if role == "local" and why != "starting" else logger.info
+        if role != self._role and why != "starting":  # the first role it takes is news; "starting" (built) is not
+            log = logger.warning if role == "local" else logger.info
             log("cluster role of %s: %s (%s)", self.replica, role, why)
         self._role = role
         for r in ROLES:

@@ -24,7 +24,7 @@ from typing import Any
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.routing.attempts import would_strand
-from gateway.routing.controller import RouteState
+from gateway.routing.controller_rules import RouteState
 
 VERSION = 1
 MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024  # a snapshot read from Redis larger than this is ignored (and counted)

@@ -53,7 +53,7 @@ def semantic_issues(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
     yield from _pool_references(rules)
     yield from _catch_all(rules)
     yield from _condition_values(rules)
-    yield from _controller_candidates(rules)
+    yield from _controller_pools(rules)
     yield from _fallback_model(rules)
 
 
@@ -155,7 +155,7 @@ def _condition_values(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
                     yield (*base, field, "in", k), unknown(what, v, known)
 
 
-def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
+def _controller_pools(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
     """A class with a controller (its own block or ``defaults.controller``) needs a pool of the other kind than its
     home to move a share to; a pinned class has nothing to balance, so a controller block on it is a mistake; and a
     pin must name the kind of every pool of its route."""
@@ -181,7 +181,7 @@ def _controller_candidates(rules: RoutingRules) -> Iterator[tuple[Loc, str]]:
         if rules.controller_of(cls) is None or route.preferred not in kinds:
             continue  # an unknown preferred pool is reported by _pool_references
         implicit = cls.controller is None and "controller" not in rules.defaults.model_fields_set
-        if rules.candidates(cls) is None and not implicit:  # the built-in default balances where it can
+        if rules.controller_pools(cls) is None and not implicit:  # the built-in default balances where it can
             home = kinds[route.preferred]
             yield (
                 ("classes", i, "controller" if cls.controller is not None else "route"),

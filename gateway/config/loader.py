@@ -6,8 +6,8 @@ Three stages, each collecting every problem it finds before giving up:
    silently resolve to the last value, are reported.
 2. The pydantic schema (``gateway.config.schema``). Its errors are rewritten for humans, with paths like
    ``classes[2].route.fallback[0]`` (alias names, e.g. ``in``).
-3. Semantic checks that need the whole document (``check_rules``): pool references, unique names, the
-   catch-all class, known task types and condition values.
+3. Semantic checks that need the whole document (``gateway.config.checks.semantic_issues``): pool references,
+   unique names, the catch-all class, known task types and condition values.
 
 The line of an error comes from the composed YAML node tree, walked along the error's path as deep as it goes.
 """
@@ -92,12 +92,15 @@ def load_rules_file(path: str | os.PathLike[str]) -> RoutingRules:
     return load_rules_text(text, source)
 
 
-def load_rules_text(text: str, source: str = "<string>") -> RoutingRules:
-    """Parse, validate and check a routing YAML document; raises ``RulesError`` with every issue found."""
+def load_rules_text(text: str, source: str = "<string>", stand_ins: Mapping[str, str] | None = None) -> RoutingRules:
+    """Parse, validate and check a routing YAML document; raises ``RulesError`` with every issue found.
+    ``stand_ins``: pool → URL, that pool's endpoints replaced by one endpoint there (``Settings.stand_ins``)."""
     try:
         root, data, issues = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise RulesError([_yaml_issue(exc)], source) from exc
+    if stand_ins and isinstance(data, dict):
+        data = with_stand_ins(data, stand_ins)
 
     if root is None or not isinstance(data, dict):
         got = "an empty document" if root is None else _kind(data)
@@ -141,11 +144,6 @@ def pool_key_issues(rules: RoutingRules, environ: Mapping[str, str] | None = Non
     return out
 
 
-def check_rules(rules: RoutingRules) -> list[ConfigIssue]:
-    """The semantic checks alone, for rules built in code (no YAML, so no line numbers)."""
-    return [ConfigIssue(format_path(loc), msg) for loc, msg in semantic_issues(rules)]
-
-
 def summary(rules: RoutingRules) -> str:
     """One line for ``specgate validate``: pools with their endpoint counts, classes, task rules, models."""
     pools = ", ".join(f"{p.name}: {_plural(len(p.endpoints), 'endpoint')}" for p in rules.pools)
@@ -157,6 +155,22 @@ def summary(rules: RoutingRules) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- YAML
+
+
+def with_stand_ins(data: dict[str, Any], stand_ins: Mapping[str, str]) -> dict[str, Any]:
+    """A parsed routing document whose pools named in ``stand_ins`` have one endpoint each, at that URL (id
+    ``<pool>-sim-0``, no API key): the demo's simulated servers, put in without rewriting the file."""
+    pools = data.get("pools")
+    if not isinstance(pools, list):
+        return data
+    out = []
+    for pool in pools:
+        name = pool.get("name") if isinstance(pool, dict) else None
+        if isinstance(name, str) and name in stand_ins:
+            pool = {k: v for k, v in pool.items() if k != "api_key_env"}
+            pool["endpoints"] = [{"url": stand_ins[name], "weight": 1, "id": f"{name}-sim-0"}]
+        out.append(pool)
+    return {**data, "pools": out}
 
 
 def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any, list[ConfigIssue]]:
@@ -182,8 +196,24 @@ def _yaml_issue(exc: yaml.YAMLError) -> ConfigIssue:
             message = f"{problem} ({exc.context}" + (f", {where})" if where else ")")
         else:
             message = problem
-        return ConfigIssue("", f"invalid YAML: {message}", exc.problem_mark.line + 1)
+        line = exc.problem_mark.line + 1
+        if any(sign in message for sign in _INDENTATION_SIGNS):
+            message += (
+                f"; usually the indentation of line {line} or the line above it: keys of one mapping start in the "
+                "same column, list items under their key, spaces only"
+            )
+        return ConfigIssue("", f"invalid YAML: {message}", line)
     return ConfigIssue("", f"invalid YAML: {exc}")
+
+
+# What PyYAML says when a line is indented wrong (a key too deep or not deep enough, a tab).
+_INDENTATION_SIGNS = (
+    "mapping values are not allowed",
+    "expected <block end>",
+    "could not find expected ':'",
+    "found character '\\t'",
+    "did not find expected key",
+)
 
 
 def _duplicate_keys(root: yaml.Node) -> list[ConfigIssue]:

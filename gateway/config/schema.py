@@ -443,7 +443,7 @@ class RoutingRules(Strict):
             return None
         return cls.controller if cls.controller is not None else self.defaults.controller
 
-    def candidates(self, cls: TrafficClass) -> tuple[str, str] | None:
+    def controller_pools(self, cls: TrafficClass) -> tuple[str, str] | None:
         """(speculative pool, standard pool) a controller of the class moves it between: its home
         (``route.preferred``) and the first pool of the other kind among route.saturated, route.fallback, then every
         pool in order. None when the home is unknown or no pool of the other kind exists."""
@@ -456,17 +456,6 @@ class RoutingRules(Strict):
         if away is None:
             return None
         return (cls.route.preferred, away) if home == "speculative" else (away, cls.route.preferred)
-
-    def home_spill_limit(self, pool: str) -> int | None:
-        """In-flight requests per endpoint of ``pool`` at which the first of the classes at home there starts to
-        spill (the lowest ``route.saturation.max_inflight_per_endpoint`` among those with a ``saturated`` pool);
-        None when none spills. A class drawn onto ``pool`` from another home stops there (``plan_route``)."""
-        limits = [
-            c.route.saturation.max_inflight_per_endpoint
-            for c in self.classes
-            if c.route.preferred == pool and c.route.saturated is not None
-        ]
-        return min((n for n in limits if n is not None), default=None)
 
     def affinity_of(self, pool: Pool) -> PrefixAffinity:
         """The pool's prefix affinity: its own block, else ``defaults.prefix_affinity``."""

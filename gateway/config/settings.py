@@ -28,10 +28,18 @@ _INT_FIELDS = frozenset(
         "max_header_bytes",
         "max_headers",
         "max_json_depth",
+        "max_json_containers",
+        "parse_workers",
         "max_detached",
         "max_detached_per_client",
         "idempotency_memory_bytes",
+        "body_min_rate",
+        "max_connections",
+        "max_connections_per_client",
     }
+)
+_FLOAT_FIELDS = frozenset(
+    {"health_interval_s", "health_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"}
 )
 
 
@@ -62,9 +70,21 @@ class Settings:
     max_header_bytes: int = 64 * 1024  # request line + header lines of one request (gateway/proxy/limits.py)
     max_headers: int = 100  # header fields of one request
     max_json_depth: int = 128  # nesting of a request body's arrays and objects
+    max_json_containers: int = 1_000_000  # arrays and objects in one request body
+    # Processes that parse request bodies over 1 MiB away from the event loop (gateway/proxy/parse_pool.py), per
+    # worker; 0: parsed on the event loop, in steps.
+    parse_workers: int = 1
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
     idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
+    # Client connections (gateway/proxy/limits.py, docs/limits.md): time bounds before a request reaches the app, and
+    # open connections per listener of this process (0: no cap).
+    header_timeout_s: float = 30.0  # a request head, from its first byte to its end; past it: 408
+    body_timeout_s: float = 30.0  # a request body, at least; past it (and past its size / body_min_rate): 408
+    body_min_rate: int = 32 * 1024  # bytes per second a longer body is allowed for
+    keep_alive_s: float = 5.0  # a connection with no request on it (new, or between requests); past it: closed
+    max_connections: int = 8192  # open client connections of this process, per listener; past it: 503
+    max_connections_per_client: int = 512  # ... from one client address (an IPv6 /64); past it: 503
     # Client keys: from SPECGATE_API_KEYS or the keys file only (``specgate serve`` refuses them as a flag, which
     # every user of the machine could read in ``ps``). Kept out of repr.
     api_keys: str = field(default="", repr=False)
@@ -95,8 +115,13 @@ class Settings:
     # Load balancers in front of the gateway, as comma-separated addresses or CIDRs: only a connection from one of
     # them has its X-Forwarded-For kept (and the peer appended); from anyone else the peer's address alone is sent.
     trusted_proxies: str = ""
+    # Stand-in endpoints, "pool=URL,pool=URL": each named pool's endpoints in the routing YAML are replaced by that
+    # one URL whenever the file is loaded (at start and on every reload), the file itself untouched. ``specgate demo``
+    # points the pools at its simulated servers this way, so a user edits and reloads the YAML the demo serves.
+    stand_ins: str = ""
 
     def __post_init__(self) -> None:
+        self.stand_in_urls()  # raises SettingsError when malformed
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be 1..65535, got {self.port}")
         if not 0 <= self.admin_port < 65536:
@@ -113,10 +138,21 @@ class Settings:
             raise SettingsError(f"max_headers must be >= 8, got {self.max_headers}")
         if not 1 <= self.max_json_depth <= MAX_JSON_DEPTH:
             raise SettingsError(f"max_json_depth must be 1..{MAX_JSON_DEPTH}, got {self.max_json_depth}")
+        if self.max_json_containers < 1:
+            raise SettingsError(f"max_json_containers must be >= 1, got {self.max_json_containers}")
+        if not 0 <= self.parse_workers <= 64:
+            raise SettingsError(f"parse_workers must be 0..64, got {self.parse_workers}")
         if self.idempotency_memory_bytes < 64 * 1024 * 1024:  # the largest per-record cap the YAML allows
             raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
         if self.max_detached < 0 or self.max_detached_per_client < 0:
             raise SettingsError("max_detached and max_detached_per_client must be >= 0")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise SettingsError(f"{name} must be > 0 and <= 3600 seconds, got {getattr(self, name)}")
+        if self.body_min_rate < 1024:
+            raise SettingsError(f"body_min_rate must be >= 1024 bytes per second, got {self.body_min_rate}")
+        if self.max_connections < 0 or self.max_connections_per_client < 0:
+            raise SettingsError("max_connections and max_connections_per_client must be >= 0 (0: no cap)")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise SettingsError("health_interval_s and health_timeout_s must be > 0")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -152,7 +188,7 @@ class Settings:
             try:
                 if f.name in _INT_FIELDS:
                     kw[f.name] = int(raw)
-                elif f.name in ("health_interval_s", "health_timeout_s"):
+                elif f.name in _FLOAT_FIELDS:
                     kw[f.name] = float(raw)
                 elif f.name == "cluster":
                     if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
@@ -167,6 +203,16 @@ class Settings:
             except ValueError as exc:
                 raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from exc
         return cls(**kw)  # type: ignore[arg-type]
+
+    def stand_in_urls(self) -> dict[str, str]:
+        """``stand_ins`` as pool → URL (empty: the YAML's own endpoints)."""
+        out: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in self.stand_ins.split(","))):
+            pool, sep, url = item.partition("=")
+            if not sep or not pool.strip() or not url.strip().startswith(("http://", "https://")):
+                raise SettingsError(f"stand_ins must be pool=http://host:port items, comma-separated; got {item!r}")
+            out[pool.strip()] = url.strip()
+        return out
 
     def to_env(self) -> dict[str, str]:
         out: dict[str, str] = {}

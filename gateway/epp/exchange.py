@@ -3,7 +3,9 @@
 Request headers -> CONTINUE (or, for a request without a body, the decision at once); request body (buffered by
 Envoy, ``processing_mode.request_body_mode: BUFFERED``) -> the decision: the destination list or a refusal;
 response headers -> the decision headers, naming the pool and endpoint that answered (Envoy's
-``upstream.address`` attribute, so a fallback shows). The endpoint counts one request in flight from the decision
+``upstream.address`` attribute, so a fallback shows) and, for a speculative pool's answer that carries usage,
+the response body asked for (``gateway.epp.usage``: acceptance and cached tokens, as proxy mode reads them). The
+endpoint counts one request in flight from the decision
 until the stream ends, and the request's record (metrics, access log line) is finished then, once.
 """
 
@@ -15,6 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, Proces
 
 from gateway.epp import messages
 from gateway.epp.pick import DESTINATION_HEADER, Pick, address, pick
+from gateway.epp.usage import UsageReader
 from gateway.errors import GatewayError, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.metrics import Outcome
@@ -46,8 +49,10 @@ def served_address(request: ProcessingRequest) -> str | None:
 class Exchange:
     """The EPP's side of one request. ``on`` answers each message Envoy sends; ``close`` runs once at the end."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, usage_bytes: int = 0) -> None:
         self.rt = rt
+        self.usage_bytes = usage_bytes  # 0: the response body is never read
+        self.usage: UsageReader | None = None
         self.record: RequestRecord | None = None
         self.headers: dict[str, str] = {}
         self.method = "GET"
@@ -68,6 +73,8 @@ class Exchange:
         if kind == "response_headers":
             return self._response_headers(request)
         if kind == "response_body":
+            if self.usage is not None:
+                self.usage.feed(request.response_body.body, request.response_body.end_of_stream)
             return messages.continue_response_body()
         return None  # trailers and anything newer: not subscribed to (processing_mode SKIP)
 
@@ -161,7 +168,9 @@ class Exchange:
                 self._hold(pool, ep)  # Envoy fell back to another endpoint of the list
             rec.pool, rec.endpoint = pool.name, ep.id
             out += [("x-specgate-pool", pool.name), ("x-specgate-endpoint", ep.id)]
-        return messages.decorate_response(out)
+            if self.usage_bytes and p.usage and self.status == 200 and pool.spec.kind == "speculative":
+                self.usage = UsageReader(p.stream, self.usage_bytes)
+        return messages.decorate_response(out, read_body=self.usage is not None)
 
     def close(self) -> None:
         """The stream ended (the request is over, or Envoy gave up on it): release and record, once."""
@@ -169,6 +178,8 @@ class Exchange:
         rec = self.record
         if rec is None:
             return
+        if self.usage is not None:
+            rec.spec, rec.cached_tokens = self.usage.sample, self.usage.cached_tokens
         if self.refused is not None:
             rec.finish(self.refused, self.rt.metrics, self.rt.access_log)
         elif self.status:  # the time to first token is not seen here (the response body is not read)

@@ -3,7 +3,8 @@
 Request phase: the request headers are answered with CONTINUE (the body follows, buffered), the body with the
 destination header (``x-gateway-destination-endpoint: ip:port[,ip:port...]``, first choice first) and the same
 list in the dynamic metadata ``envoy.lb`` that Envoy's override-host load balancing reads; a refusal is an
-``ImmediateResponse`` with the gateway's OpenAI error envelope. Response phase: the decision headers are added.
+``ImmediateResponse`` with the gateway's OpenAI error envelope. Response phase: the decision headers are added,
+and for an answer whose usage is read the response body is asked for (streamed, each chunk answered CONTINUE).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
     CommonResponse,
@@ -88,12 +90,18 @@ def refusal(exc: GatewayError, extra: Iterable[tuple[str, str]] = ()) -> Process
     )
 
 
-def decorate_response(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> ProcessingResponse:
-    """The response headers with the decision headers added."""
+def decorate_response(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], *, read_body: bool = False
+) -> ProcessingResponse:
+    """The response headers with the decision headers added; ``read_body``: Envoy streams this response's body to
+    the picker too (``mode_override``, honoured where the filter sets ``allow_mode_override``), for its usage."""
     items = headers.items() if isinstance(headers, Mapping) else headers
-    return ProcessingResponse(
+    answer = ProcessingResponse(
         response_headers=HeadersResponse(response=CommonResponse(header_mutation=_mutation(items)))
     )
+    if read_body:
+        answer.mode_override.CopyFrom(ProcessingMode(response_body_mode=ProcessingMode.STREAMED))
+    return answer
 
 
 def continue_response_headers() -> ProcessingResponse:

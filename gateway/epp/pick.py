@@ -11,13 +11,15 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.errors import MethodNotAllowed, NoCapacity, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
+from gateway.observability.acceptance import temperature_band
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
-from gateway.proxy.limits import check_json_depth
+from gateway.proxy.json_depth import check_json_containers, check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
@@ -42,6 +44,7 @@ class Pick:
     route_reason: str | None = None
     stream: bool = False
     headers: list[tuple[str, str]] = field(default_factory=list)
+    usage: bool = False  # the answer carries usage and spec-decode metrics the picker can read (``_carries_usage``)
 
     def addresses(self) -> list[str]:
         return [address(ep.url) for ep in self.endpoints]
@@ -81,6 +84,22 @@ def pick_any(rt: Runtime) -> Pick:
     return Pick(chosen, owner, route_reason="unclassified")
 
 
+# The APIs whose answers carry vLLM's per-request spec-decode metrics (the Responses API's do not).
+_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def _carries_usage(path: str, body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether the answer has usage to read: a whole body does; a stream only when its client asked for the usage
+    chunk (``stream_options.include_usage``): unlike proxy mode, the picker does not ask for it on the client's
+    behalf (it would have to rewrite the request and strip the chunk from the answer)."""
+    if path not in _USAGE_PATHS:
+        return False
+    if not stream:
+        return True
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
 def _no_endpoint() -> NoCapacity:
     return NoCapacity("no endpoint can take this request now", retry_after_s=5)
 
@@ -100,8 +119,9 @@ def pick(
     rt.authenticate(headers.get("authorization"))
     if len(raw) > rt.settings.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
+    check_json_containers(raw, rt.settings.max_json_containers)
     body = parse_object(raw)
-    check_json_depth(raw, body, rt.settings.max_json_depth)
+    check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live
     d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
     extra: list[tuple[str, str]] = []
@@ -112,6 +132,7 @@ def pick(
     if rec is not None:
         rec.traffic_class, rec.task_type, rec.route_reason = d.traffic_class, task_type, d.plan.reason
         rec.stream = d.stream
+        rec.temperature_band = temperature_band(body.get("temperature"))
     d.check_model()
     plan = d.plan
     extra.append(("x-specgate-route", plan.reason))
@@ -124,4 +145,5 @@ def pick(
                 f"every pool that can serve this request is full ({', '.join(full)})", "admission"
             )
         raise _no_endpoint()
-    return Pick(chosen, owner, d.traffic_class, task_type, plan.reason, d.stream, extra)
+    usage = _carries_usage(path, body, d.stream)
+    return Pick(chosen, owner, d.traffic_class, task_type, plan.reason, d.stream, extra, usage)

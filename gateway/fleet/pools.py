@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from gateway.config.affinity import PrefixAffinity
 from gateway.config.schema import Pool as PoolSpec
-from gateway.fleet.affinity import warm_pick
+from gateway.fleet.affinity import min_chunks, warm_pick
 from gateway.fleet.prefix_index import TOKENS_PER_CHUNK, PrefixIndex
 
 
@@ -151,6 +151,22 @@ class PoolState:
 
     def healthy_count(self) -> int:
         return sum(1 for e in self.endpoints if e.healthy)
+
+    def indexed(self) -> bool:
+        """Affinity is on and some endpoint's prefix index holds something (else no prompt can be warm here)."""
+        return self.affinity.enabled and any(len(e.prefixes) for e in self.endpoints)
+
+    def warm_tokens(self, prompt: Sequence[int]) -> int:
+        """The longest start of the prompt (its chunk hashes) that a routable endpoint's index holds, in approximate
+        tokens; 0 when shorter than ``min_prefix_tokens`` or affinity is off (the pool's warmth for its warm home,
+        ``gateway.routing.warm_home``)."""
+        if not self.affinity.enabled:
+            return 0
+        need = min_chunks(self.affinity)
+        if len(prompt) < need:
+            return 0
+        best = max((e.prefixes.match(prompt) for e in self.endpoints if e.routable), default=0)
+        return best * TOKENS_PER_CHUNK if best >= need else 0
 
     def pick(self, rng: random.Random, exclude: Iterable[str] = (), prompt: Sequence[int] = ()) -> EndpointState | None:
         """The endpoint for one attempt among the routable ones not in ``exclude``: the warm one within the load

@@ -1,14 +1,14 @@
-"""The scrape loop: every endpoint's ``GET /metrics`` and ``GET /health``, concurrently, on the YAML's interval.
+"""The scrape loop: every endpoint's ``GET /metrics``, concurrently, on the YAML's interval.
 
 A lifespan task (``Scraper.run``). Each round reads the pools and the ``scrape`` block afresh (a reload takes
 effect at the next round; an endpoint that is gone is forgotten, a new one starts stale), fetches every endpoint's
-two URLs at once with the configured timeout on its own small aiohttp session (never the proxy's connection pools),
+``/metrics`` at once with the configured timeout on its own small aiohttp session (never the proxy's connection pools),
 parses the exposition in a worker thread (``asyncio.to_thread``: a vLLM exposition is 50-100 KB of text), updates
 the ``EndpointLoad`` and exports the pool gauges. A bug in one endpoint's scrape or in one round is logged and the
 loop goes on.
 
-``/health`` here is informational (``EndpointLoad.health_ok``): the health checker (``gateway.fleet.health``) still owns
-the rotation and ``specgate_endpoint_healthy``.
+``/health`` is fetched by the health checker alone (``gateway.fleet.health``), which owns the rotation and
+``specgate_endpoint_healthy``; ``EndpointLoad.health_ok`` copies its last result.
 """
 
 from __future__ import annotations
@@ -141,10 +141,8 @@ class Scraper:
         return self._session
 
     async def _scrape(self, session: aiohttp.ClientSession, ep: EndpointState, load: EndpointLoad, cfg: Scrape) -> None:
-        metrics, health = await asyncio.gather(
-            self._fetch_metrics(session, ep, cfg), self._probe_health(session, ep.url, cfg)
-        )
-        load.health_ok = health
+        metrics = await self._fetch_metrics(session, ep, cfg)
+        load.health_ok = ep.healthy  # the health checker's last result: /health is fetched once per interval, there
         if isinstance(metrics, _ScrapeFailure):
             if not load.failed:
                 logger.warning("scrape of %s/%s failed: %s (its data is stale)", ep.pool, ep.id, metrics)
@@ -198,14 +196,6 @@ class Scraper:
         except (aiohttp.ClientError, OSError) as exc:
             return _ScrapeFailure("error", f"/metrics failed: {type(exc).__name__}: {exc}".rstrip(": "))
         return b"".join(chunks), self._clock(), ep.in_flight
-
-    async def _probe_health(self, session: aiohttp.ClientSession, url: str, cfg: Scrape) -> bool:
-        try:
-            async with session.get(url + "/health", timeout=_timeout(cfg), allow_redirects=False) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
 
     def _export(self) -> None:
         m = self._metrics

@@ -12,22 +12,59 @@ import logging
 import select
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import orjson
 
 
+def timestamp(epoch_s: float) -> str:
+    """A log line's ``ts``: UTC, milliseconds, ``2026-01-31T12:00:00.123Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_s)) + f".{int(epoch_s * 1000) % 1000:03d}Z"
+
+
+def log_event(logger: logging.Logger, event: str, fields: Mapping[str, Any], level: int = logging.INFO) -> None:
+    """One structured line: ``event`` and its ``fields``, which ``JsonFormatter`` writes as fields of the line
+    (not a JSON string inside a message)."""
+    logger.log(level, event, extra={"fields": fields})
+
+
+# The asyncio task names of the listeners (gateway.cli.serve): a line logged while one runs names it.
+LISTENER_TASKS = ("client", "admin")
+
+
+def _listener() -> str | None:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread
+        return None
+    name = None if task is None else task.get_name()
+    return name if name in LISTENER_TASKS else None
+
+
 class JsonFormatter(logging.Formatter):
+    """Every line one JSON object of one shape: ``ts``, ``level``, ``logger``, ``event``, then the event's fields
+    (``log_event``); a plain message (uvicorn's, a library's) is the event ``log`` with a ``message`` field.
+    ``listener``: the listener (``client`` / ``admin``) whose task logged it, when one did."""
+
     def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None)
         line: dict[str, object] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": timestamp(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "event": str(record.msg) if isinstance(fields, Mapping) else "log",
         }
+        listener = _listener()
+        if listener is not None:
+            line["listener"] = listener
+        if isinstance(fields, Mapping):
+            line.update((k, v) for k, v in fields.items() if k not in line)
+        else:
+            line["message"] = record.getMessage()
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(line).decode()
+        return orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS, default=str).decode()
 
 
 def configure_logging(level: str = "info") -> None:
@@ -68,9 +105,12 @@ class AccessLog:
         self._size = 0
 
     def write(self, line: dict[str, Any]) -> None:
+        """One request's line, in the shape of every other line: ``ts``, ``level``, ``logger``, then ``line``
+        (its ``event`` first)."""
         if not self.enabled:
             return
-        data = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+        head = {"ts": timestamp(time.time()), "level": "info", "logger": "specgate.access"}
+        data = orjson.dumps({**head, **line}, option=orjson.OPT_APPEND_NEWLINE)
         self._buf.append(data)
         self._size += len(data)
         if self._size >= self._max:

@@ -187,6 +187,12 @@ class GatewayMetrics:
             ["result"],
             registry=r,
         )
+        self.route_decisions = Counter(
+            "specgate_route_decisions_total",
+            "Requests by class and route reason: the x-specgate-route value (gateway.routing.plan.route_reason).",
+            ["class", "route"],
+            registry=r,
+        )
         self.limit_refusals = Counter(
             "specgate_limit_refusals_total",
             "Requests or upstream responses stopped by a size or count limit (docs/limits.md), by limit.",
@@ -205,6 +211,7 @@ class GatewayMetrics:
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         self._in_flight: dict[str, Any] = {}
         self._attempts: dict[tuple[str, str], Any] = {}
+        self._routes: dict[tuple[str, str], Any] = {}
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
         self.shared_dir: str | None = None
 
@@ -381,6 +388,14 @@ class GatewayMetrics:
         child = self._attempts.get(key)
         if child is None:
             child = self._attempts[key] = self.upstream_attempts.labels(pool, result)
+        child.inc()
+
+    def route_decided(self, cls: str, route: str) -> None:
+        """Count one request's route reason (``route_decisions``), its child looked up once per label set."""
+        key = (cls, route)
+        child = self._routes.get(key)
+        if child is None:
+            child = self._routes[key] = self.route_decisions.labels(cls, route)
         child.inc()
 
     def observe_request(

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import orjson
+from gateway.observability.logs import log_event
 
 logger = logging.getLogger("specgate.audit")
 
@@ -62,8 +62,7 @@ class AuditLog:
     def append(self, record: AuditRecord) -> None:
         self._records.append(record)
         self.total += 1
-        line = {"event": "audit", **record.as_dict()}
-        logger.info(orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS).decode())
+        log_event(logger, "audit", record.as_dict())
 
     def records(self, limit: int = 100, since: float | None = None) -> list[AuditRecord]:
         """The newest ``limit`` records (after ``since``, epoch seconds, when given), oldest first."""

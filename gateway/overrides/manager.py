@@ -44,7 +44,7 @@ from gateway.overrides.model import parse_ttl as parse_ttl
 from gateway.overrides.model import parse_weight as parse_weight
 from gateway.overrides.store import MAX_OVERRIDE_BYTES, OverrideStore
 from gateway.periodic import raise_if_cancelled
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from gateway.store.base import StoreUnavailable
 
 logger = logging.getLogger("specgate.overrides")

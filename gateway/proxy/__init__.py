@@ -13,5 +13,8 @@
   stream of each API ends and fails (chat's ``[DONE]``, the Responses API's typed terminal events).
 - ``responses``: the Responses API's stickiness (response id → the endpoint holding it, in the store), and the
   ``GET`` / ``cancel`` routes of a stored response.
+- ``limits``: the uvicorn protocol that bounds a client's connection before the app sees a request (head size and
+  header count, head / body deadlines, keep-alive), counting connections in a ``connections.ConnectionGate``
+  (caps in total and per client address); ``json_depth``: a body's nesting, read from its text.
 - ``stream_tap``: reads per-request acceptance from speculative pools' responses; ``record``: the per-request record.
 """

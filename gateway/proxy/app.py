@@ -31,7 +31,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.config.settings import Settings
+from gateway.errors import GatewayError
 from gateway.observability.metrics import CONTENT_TYPE, OPENMETRICS, OPENMETRICS_CONTENT_TYPE, multiprocess_dir
+from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response, exception_handlers, is_bug, json_response
 from gateway.proxy.intake import ProxyRoute, admit
 from gateway.proxy.responses import cancel_response, delete_response, retrieve_response
@@ -151,12 +153,16 @@ def _runtime(request: Request) -> Runtime:
 
 async def models(request: Request) -> Response:
     rt = _runtime(request)
-    rt.authenticate(request.headers.get("authorization"))
+    extra = {"x-request-id": request_id(request.headers.get("x-request-id"))}
+    try:
+        rt.authenticate(request.headers.get("authorization"))
+    except GatewayError as exc:
+        return error_response(exc, "GET", "/v1/models", extra.items())
     data = [
         {"id": m, "object": "model", "created": rt.started_at, "owned_by": "specgate", "root": m, "parent": None}
         for m in rt.live.models
     ]
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data}, headers=extra)
 
 
 async def health(request: Request) -> Response:

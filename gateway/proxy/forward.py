@@ -433,15 +433,16 @@ class ProxyExchange:
         job = self.job
         model = job.plan.model_for(pool.name)
         usage = job.stream and pool.spec.kind == "speculative" and job.dialect.asks_usage
+        dumps = job.serialize or orjson.dumps
         if model is not None:
             parsed = {**(job.parsed if job.parsed is not None else orjson.loads(job.body)), "model": model}
-            with_usage = with_include_usage(parsed) if usage else None
-            return (orjson.dumps(parsed) if with_usage is None else with_usage), model, with_usage is not None
+            with_usage = with_include_usage(parsed, dumps) if usage else None
+            return (dumps(parsed) if with_usage is None else with_usage), model, with_usage is not None
         if not usage or job.parsed is None:
             return job.body, None, False
         if not self._usage_body_built:
             self._usage_body_built = True
-            self._usage_body = with_include_usage(job.parsed)
+            self._usage_body = with_include_usage(job.parsed, dumps)
         if self._usage_body is None:
             return job.body, None, False
         return self._usage_body, None, True

@@ -13,19 +13,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope
 
 from gateway.errors import BadRequest, GatewayError
 from gateway.fleet.pools import PoolState
+from gateway.fleet.prefix_index import chain_hashes
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.metrics import Outcome
 from gateway.observability.tracing import TRACE_ID_HEADER, RequestTrace
+from gateway.proxy.body_read import read_json
 from gateway.proxy.dialect import CHAT, ResponsesDialect
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import forwarded_for, request_id
-from gateway.proxy.http import error_response, parse_object, read_body
+from gateway.proxy.http import error_response, read_body
 from gateway.proxy.idempotency import (
     KEY_HEADER,
     KeyClaim,
@@ -37,7 +40,6 @@ from gateway.proxy.idempotency import (
     tenant_scope,
 )
 from gateway.proxy.job import ProxyJob
-from gateway.proxy.limits import check_json_depth
 from gateway.proxy.owned_ids import with_response_id, without_request_id
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import Sticky, for_create
@@ -141,11 +143,21 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
             rec.tenant = tenant.name
         idempotency_key = parse_key(keys)
         raw = await read_body(receive, rt.settings.max_body_bytes, hdr.get("content-length"))
-        body = parse_object(raw)
-        check_json_depth(raw, body, rt.settings.max_json_depth)
         live = rt.live
+        body, view = await read_json(
+            raw,
+            rt.settings,
+            rt.parse_pool,
+            route.endpoint,
+            scan_chars=live.classifier.scan_chars,
+            fingerprint=(scope["method"], path) if idempotency_key is not None else None,
+            pools=live.pools,
+        )
         decided_ns = time.time_ns() if trace is not None else 0
-        d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng)
+        texts = None if view is None else view.read_texts
+        # a large body's prompt was rendered where it was parsed (``body`` holds stand-ins): hashed here, once
+        hashes = None if view is None or not view.prompt else chain_hashes(view.prompt)
+        d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng, texts=texts, prompt=hashes)
         rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
         if d.features is not None:
             rec.task_type, rec.stream = d.features.task_type, d.features.stream
@@ -172,7 +184,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
                 live.rules.idempotency,
                 rt.metrics,
                 key=store_key(scope_key, idempotency_key),
-                fingerprint=fingerprint(scope["method"], path, body),
+                fingerprint=view.fingerprint if view and view.fingerprint else fingerprint(scope["method"], path, body),
                 record=rec,
             )
             if isinstance(got, Replay):
@@ -201,13 +213,18 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
     rec.temperature_band = temperature_band(body.get("temperature"))
     # The ids the pool keeps things under are the gateway's (after the Idempotency-Key's fingerprint, which is the
     # client's body): the minted response id, and no client request_id anywhere else.
+    dumps = orjson.dumps if view is None else view.serialize
     if sticky.response_id:
-        raw, body = with_response_id(body, sticky.response_id)
+        raw, body = with_response_id(body, sticky.response_id, dumps)
     else:
-        raw, body = without_request_id(raw, body)
+        raw, body = without_request_id(raw, body, dumps)
     prompt: tuple[int, ...] = ()
-    if route.endpoint is not None and sticky.pinned is None and _affinity_on(live.pools, plan.pools):
-        prompt = prompt_chunks(route.endpoint, body)
+    if sticky.pinned is not None:
+        pass
+    elif d.prompt is not None:  # hashed by the decision (a controlled class: warm homes)
+        prompt = d.prompt
+    elif route.endpoint is not None and _affinity_on(live.pools, plan.pools):
+        prompt = prompt_chunks(route.endpoint, body) if view is None else chain_hashes(view.prompt)
     job = ProxyJob(
         path=path,
         body=raw,
@@ -217,7 +234,8 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         max_attempts=max_attempts,
         record=rec,
         extra_headers=extra,
-        parsed=body if stream else None,
+        parsed=body if stream or view is not None else None,
+        serialize=None if view is None else view.serialize,
         idempotency=claim,
         dialect=ResponsesDialect() if route.endpoint == "responses" else CHAT,
         pinned=sticky.pinned,

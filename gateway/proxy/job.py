@@ -34,6 +34,9 @@ class ProxyJob:
     record: RequestRecord
     extra_headers: list[tuple[str, str]]
     parsed: Mapping[str, Any] | None = None  # the request body as parsed (to ask a speculative pool for usage)
+    # How ``parsed`` is written again (a fallback model, the usage option); None: orjson. A large body's ``parsed``
+    # holds stand-ins for its bulk, and its view writes them back as sent (gateway.proxy.body_view).
+    serialize: Callable[[Mapping[str, Any]], bytes] | None = None
     idempotency: KeyClaim | None = None  # the request's claim on its Idempotency-Key (records what is sent)
     dialect: ChatDialect = CHAT  # how its stream ends and fails (gateway.proxy.dialect)
     pinned: tuple[PoolState, EndpointState] | None = None  # the one endpoint to try (it holds the request's state)

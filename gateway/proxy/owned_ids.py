@@ -16,7 +16,7 @@ names an engine request. The body is serialised again only when it carries the f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -31,15 +31,20 @@ def mint_response_id() -> str:
     return RESPONSE_ID_PREFIX + request_id(None)
 
 
-def with_response_id(body: Mapping[str, Any], response_id: str) -> tuple[bytes, dict[str, Any]]:
+Dumps = Callable[[Mapping[str, Any]], bytes]  # how a body is written (a large body's view writes its own)
+
+
+def with_response_id(
+    body: Mapping[str, Any], response_id: str, dumps: Dumps = orjson.dumps
+) -> tuple[bytes, dict[str, Any]]:
     """A ``POST /v1/responses`` body as forwarded: the client's, with the gateway's ``request_id``."""
     owned = {**body, "request_id": response_id}
-    return orjson.dumps(owned), owned
+    return dumps(owned), owned
 
 
-def without_request_id(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+def without_request_id(raw: bytes, body: dict[str, Any], dumps: Dumps = orjson.dumps) -> tuple[bytes, dict[str, Any]]:
     """A body as forwarded without any ``request_id`` of the client's (unchanged, and not copied, when it has none)."""
     if "request_id" not in body:
         return raw, body
     owned = {k: v for k, v in body.items() if k != "request_id"}
-    return orjson.dumps(owned), owned
+    return dumps(owned), owned

@@ -106,6 +106,8 @@ class RequestRecord:
             metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead, trace.trace_id)
         else:
             metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
+        if self.route_reason is not None:
+            metrics.route_decided(cls, self.route_reason)
         if spec is not None:
             metrics.observe_acceptance(cls, self.temperature_band, spec)
         if access_log.enabled:

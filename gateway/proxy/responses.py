@@ -43,12 +43,12 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
+from gateway.proxy.http import error_response
 from gateway.proxy.idempotency import tenant_scope
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.owned_ids import mint_response_id
 from gateway.proxy.record import RequestRecord
-from gateway.proxy.wire import JSON_CONTENT_TYPE
-from gateway.routing.plan import Plan
+from gateway.routing.plan import STICKY, Plan
 from gateway.routing.responses_features import valid_response_id
 from gateway.runtime.container import Runtime
 from gateway.store.base import Store, StoreUnavailable
@@ -217,7 +217,7 @@ class Sticky:
 
     @property
     def plan(self) -> Plan | None:
-        return None if self.pinned is None else Plan((self.pinned[0].name,), "sticky")
+        return None if self.pinned is None else Plan((self.pinned[0].name,), STICKY)
 
 
 async def for_create(
@@ -270,19 +270,17 @@ async def _stateful(request: Request, method: str, suffix: str) -> Response | Pr
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(
-            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
-        )
-    rec.route_reason, rec.stream = "sticky", stream
+        return error_response(exc, method, rec.path, extra.items())
+    rec.route_reason, rec.stream = STICKY, stream
     job = ProxyJob(
         path=f"/v1/responses/{rid}{suffix}{query}",
         body=b"",
         client_headers=list(headers.items()),
         stream=stream,
-        plan=Plan((pool.name,), "sticky"),
+        plan=Plan((pool.name,), STICKY),
         max_attempts=1,
         record=rec,
-        extra_headers=[*extra.items(), ("x-specgate-route", "sticky")],
+        extra_headers=[*extra.items(), ("x-specgate-route", STICKY)],
         dialect=ResponsesDialect() if stream else CHAT,
         pinned=(pool, ep),
         method=method,
@@ -316,13 +314,11 @@ async def delete_response(request: Request) -> Response:
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(
-            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
-        )
+        return error_response(exc, "DELETE", rec.path, extra.items())
     rec.status = 200
     rec.finish("ok", rt.metrics, rt.access_log)
     body = orjson.dumps({"id": rid, "object": "response.deleted", "deleted": True})
-    return Response(body, 200, extra, JSON_CONTENT_TYPE)
+    return Response(body, 200, extra, "application/json")
 
 
 async def forget(store: Store, scope: bytes, response_id: str) -> None:

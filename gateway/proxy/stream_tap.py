@@ -13,7 +13,7 @@ and a JSON parse only of the final usage chunk (and of a whole body that carries
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -51,7 +51,9 @@ def _usage_cached(usage: Any) -> int | None:
     return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
-def with_include_usage(body: Mapping[str, Any]) -> bytes | None:
+def with_include_usage(
+    body: Mapping[str, Any], dumps: Callable[[Mapping[str, Any]], bytes] = orjson.dumps
+) -> bytes | None:
     """The request body re-serialised with ``stream_options.include_usage`` on; None when it needs no change.
 
     None also when the client asked for usage itself (it keeps its usage chunk) or ``stream_options`` is not an
@@ -69,7 +71,7 @@ def with_include_usage(body: Mapping[str, Any]) -> bytes | None:
             new["continuous_usage_stats"] = False
     else:
         return None
-    return orjson.dumps({**body, "stream_options": new})
+    return dumps({**body, "stream_options": new})
 
 
 def _event_json(event: bytes) -> Any:

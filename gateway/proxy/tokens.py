@@ -10,31 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import GatewayError, InvalidJSON, InvalidParameter, ModelNotFound
+from gateway.errors import GatewayError, InvalidParameter, ModelNotFound
+from gateway.proxy.body_read import read_json
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
+from gateway.proxy.http import error_response
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.record import RequestRecord
 from gateway.proxy.responses import read_limited
-from gateway.proxy.wire import JSON_CONTENT_TYPE
+from gateway.routing.decision import not_found
 from gateway.routing.plan import Plan
 from gateway.runtime.container import Runtime
 
 CLASS = "unclassified"
 
 
-async def _body(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    raw = await read_limited(request, limit)
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidJSON("request body must be a JSON object")
+async def _body(request: Request, rt: Runtime) -> tuple[bytes, dict[str, Any]]:
+    """The body, checked as a proxied POST's (a large one parsed in the parsing process: only ``model`` is read)."""
+    raw = await read_limited(request, rt.settings.max_body_bytes)
+    body, _ = await read_json(raw, rt.settings, rt.parse_pool, None, scan_chars=0, fingerprint=None, pools={})
     return raw, body
 
 
@@ -46,23 +43,21 @@ async def _forward(request: Request, path: str) -> Response | ProxyExchange:
     extra = {"x-request-id": rec.request_id}
     try:
         rt.authenticate(headers.get("authorization"))
-        raw, body = await _body(request, rt.settings.max_body_bytes)
+        raw, body = await _body(request, rt)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidParameter("'model' is required and must be a string", param="model")
         live = rt.live
         serving = [p for p in live.pools.values() if model in p.models]
         if not serving:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(model, live.model_set), param="model")
         plan = Plan(tuple(p.name for p in serving if p.routable()), CLASS)
         if plan.empty:
             raise Plan((), CLASS, tuple((p.name, "no routable endpoint") for p in serving)).unavailable()
     except GatewayError as exc:
         rec.status, rec.error = exc.status, exc.message
         rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return Response(
-            orjson.dumps(exc.envelope(rec.request_id)), exc.status, {**extra, **exc.headers}, JSON_CONTENT_TYPE
-        )
+        return error_response(exc, "POST", path, extra.items())
     rec.route_reason = CLASS
     job = ProxyJob(
         path=path,

@@ -5,10 +5,12 @@
 - ``prompt_key``: a request's prompt rendered once and cut into chained chunk hashes, for prefix affinity.
 - ``plan``: class + live pool views → an ordered attempt ``Plan`` (``plan_route``).
 - ``decision``: the two together for one request (``decide``), shared by the proxy and explain.
-- ``controller`` / ``route_state``: per-class controllers (hysteresis, hold, guard) and their state for all classes;
-  ``class_track``: what the state keeps per class (window counts, the class's seen temperatures), its metrics, and
-  what it hands out;
-  ``estimate``: a class's expected completion time on a pool.
+- ``controller_rules``: a class controller's decision as an ordered tuple of named pure rules (``RULES``);
+  ``controller``: one class's controller, which feeds the rules and applies their verdict; ``routing_state``: every
+  controlled class's controller, fed by the scrape rounds; ``class_track``: what the state keeps per class (window
+  counts, the class's seen temperatures, its observation of its two pools), its metrics, and what it hands out;
+  ``ownership``: who owns the speculative pool (the order of the classes on it, the visitor limit, the spill);
+  ``estimate``: a class's expected completion time and cost on a pool.
 - ``fairshare``: which tenant gets in at a full pool (priority bands, weighted fair share).
 - ``attempts``: the attempt policy: which failures are retryable, the retry budget, outlier ejection.
 """

@@ -18,7 +18,7 @@ import re2
 from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
 from gateway.errors import InvalidParameter
 from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
-from gateway.routing.responses_features import responses_inputs
+from gateway.routing.responses_features import responses_inputs, responses_texts
 
 Endpoint = Literal["chat", "completions", "responses"]
 TaskSource = Literal["header", "rule", "default"]
@@ -79,13 +79,15 @@ def _text_of(content: Any) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Texts:
+class Texts:
+    """What the task rules read of a prompt (its system text, its last user text) and its length in characters."""
+
     system: str
     last_user: str
     chars: int
 
 
-def _chat_texts(body: Mapping[str, Any]) -> _Texts:
+def _chat_texts(body: Mapping[str, Any]) -> Texts:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidParameter("'messages' must be a non-empty array", param="messages")
@@ -102,22 +104,39 @@ def _chat_texts(body: Mapping[str, Any]) -> _Texts:
             system.append(text)
         elif role == "user":
             last_user = text
-    return _Texts("\n".join(system), last_user, chars)
+    return Texts("\n".join(system), last_user, chars)
 
 
-def _completion_texts(body: Mapping[str, Any]) -> _Texts:
+def _completion_texts(body: Mapping[str, Any]) -> Texts:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return _Texts("", prompt, len(prompt))
+        return Texts("", prompt, len(prompt))
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             joined = "\n".join(prompt)
-            return _Texts("", prompt[-1], len(joined))
+            return Texts("", prompt[-1], len(joined))
         if all(isinstance(p, int) for p in prompt):  # token ids
-            return _Texts("", "", len(prompt) * 4)
+            return Texts("", "", len(prompt) * 4)
         if all(isinstance(p, list) for p in prompt):  # batches of token ids
-            return _Texts("", "", sum(len(p) for p in prompt) * 4)
+            return Texts("", "", sum(len(p) for p in prompt) * 4)
     raise InvalidParameter("'prompt' must be a string, an array of strings or of token ids", param="prompt")
+
+
+def _in_range(body: Mapping[str, Any], key: str, value: float, low: float, high: float = math.inf) -> float:
+    """``value`` (read from ``body[key]``) within [low, high] when the client set it: else the 400 OpenAI answers,
+    naming the field, before any pool sees the request. A default from the YAML is not checked here."""
+    if key in body and body[key] is not None:
+        if value < low:
+            raise InvalidParameter(
+                f"Invalid '{key}': below minimum value. Expected a value >= {low:g}, but got {value:g} instead.",
+                param=key,
+            )
+        if value > high:
+            raise InvalidParameter(
+                f"Invalid '{key}': above maximum value. Expected a value <= {high:g}, but got {value:g} instead.",
+                param=key,
+            )
+    return value
 
 
 def _n_of(body: Mapping[str, Any]) -> int:
@@ -125,7 +144,7 @@ def _n_of(body: Mapping[str, Any]) -> int:
     if n_raw is None:
         return 1
     if isinstance(n_raw, int) and not isinstance(n_raw, bool):
-        return n_raw
+        return int(_in_range(body, "n", n_raw, 1))
     raise InvalidParameter("'n' must be an integer", param="n")
 
 
@@ -138,8 +157,18 @@ def _response_format(body: Mapping[str, Any]) -> str:
     raise InvalidParameter("'response_format' must be an object with a 'type'", param="response_format")
 
 
-def _window(text: str, limit: int) -> str:
-    """The head and tail of a long text: task cues sit at the start or the end of a prompt."""
+def request_texts(endpoint: Endpoint, body: Mapping[str, Any]) -> Texts:
+    """The texts of a request's prompt. Raises ``InvalidParameter`` when the prompt's fields have the wrong shape."""
+    if endpoint == "chat":
+        return _chat_texts(body)
+    if endpoint == "completions":
+        return _completion_texts(body)
+    return Texts(*responses_texts(body))
+
+
+def window(text: str, limit: int) -> str:
+    """The head and tail of a long text: task cues sit at the start or the end of a prompt. Windowing a windowed
+    text again changes nothing."""
     if len(text) <= limit:
         return text
     half = limit // 2
@@ -168,17 +197,17 @@ class _TaskMatcher:
                 rset.Compile()
                 self._sets.append((rset, owners, scope))
 
-    def _scan(self, texts: _Texts) -> set[int]:
+    def _scan(self, texts: Texts) -> set[int]:
         hits: set[int] = set()
         for rset, owners, scope in self._sets:
             text = texts.system if scope == "system" else texts.last_user
             if text:
                 # Encoded here: "replace" keeps a lone surrogate (possible in JSON) from raising.
-                data = _window(text, self._scan_chars).encode("utf-8", "replace")
+                data = window(text, self._scan_chars).encode("utf-8", "replace")
                 hits.update(owners[k] for k in rset.Match(data) or ())
         return hits
 
-    def match(self, response_format: str, tools: bool, texts: _Texts) -> str | None:
+    def match(self, response_format: str, tools: bool, texts: Texts) -> str | None:
         hits: set[int] | None = None
         for i, (task, formats, want_tools, has_patterns) in enumerate(self._rules):
             if formats is not None and response_format not in formats:
@@ -249,47 +278,65 @@ class Classifier:
         self._default_top_p = d.top_p
         self._default_task = d.task_type
         self._chars_per_token = d.chars_per_token
+        self._scan_chars = d.task_scan_chars
         self._tasks = _TaskMatcher(rules.task_rules, d.task_scan_chars)
         self._classes = tuple((c, compile_conditions(c.when)) for c in rules.classes)
 
-    def features(self, endpoint: Endpoint, body: Mapping[str, Any], task_header: str | None = None) -> RequestFeatures:
-        """Read the routing features of a parsed request body. Raises ``InvalidParameter`` on bad types."""
+    @property
+    def scan_chars(self) -> int:
+        """The characters of a text the task rules scan (its head and tail, ``window``)."""
+        return self._scan_chars
+
+    def features(
+        self,
+        endpoint: Endpoint,
+        body: Mapping[str, Any],
+        task_header: str | None = None,
+        texts: Callable[[], Texts] | None = None,
+    ) -> RequestFeatures:
+        """Read the routing features of a parsed request body. Raises ``InvalidParameter`` on bad types. ``texts``:
+        the prompt's texts read elsewhere (a large body's, ``gateway.proxy.body_view``), asked for where the body's
+        would be read, so a request with several faults gets the same error either way."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidParameter("'model' is required and must be a string", param="model")
-        temperature = _number(body, "temperature", self._default_temperature)
-        top_p = _number(body, "top_p", self._default_top_p)
+        temperature = _in_range(body, "temperature", _number(body, "temperature", self._default_temperature), 0, 2)
+        top_p = _in_range(body, "top_p", _number(body, "top_p", self._default_top_p), 0, 1)
         stream_raw = body.get("stream", False)
         if stream_raw is None:
             stream_raw = False
         if not isinstance(stream_raw, bool):
             raise InvalidParameter("'stream' must be a boolean", param="stream")
+        read: Texts
         if endpoint == "responses":
-            r = responses_inputs(body)
-            max_tokens, n, tools, response_format, reasoning, texts = (
+            given = texts() if texts is not None else None
+            r = responses_inputs(body, None if given is None else (given.system, given.last_user, given.chars))
+            max_tokens, n, tools, response_format, reasoning, read = (
                 r.max_tokens,
                 1,
                 r.tools,
                 r.response_format,
                 r.reasoning,
-                _Texts(r.system, r.last_user, r.chars),
+                Texts(r.system, r.last_user, r.chars),
             )
         else:
             max_tokens = _number(body, "max_completion_tokens", math.nan)
             if math.isnan(max_tokens):
-                max_tokens = _number(body, "max_tokens", math.inf)
+                max_tokens = _in_range(body, "max_tokens", _number(body, "max_tokens", math.inf), 1)
+            else:
+                _in_range(body, "max_completion_tokens", max_tokens, 1)
             n = _n_of(body)
             tools_raw = body.get("tools")
             tools = isinstance(tools_raw, list) and len(tools_raw) > 0
             response_format = _response_format(body)
             reasoning = _reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
-            texts = _chat_texts(body) if endpoint == "chat" else _completion_texts(body)
+            read = texts() if texts is not None else request_texts(endpoint, body)
 
         task_source: TaskSource
         if task_header and _TASK_HEADER_RE.fullmatch(task_header):
             task, task_source = task_header.lower(), "header"
         else:
-            matched = self._tasks.match(response_format, tools, texts)
+            matched = self._tasks.match(response_format, tools, read)
             if matched is not None:
                 task, task_source = matched, "rule"
             else:
@@ -305,7 +352,7 @@ class Classifier:
             n=n,
             tools=tools,
             response_format=response_format,
-            prompt_tokens=int(texts.chars / self._chars_per_token),
+            prompt_tokens=int(read.chars / self._chars_per_token),
             task_type=task,
             task_source=task_source,
             reasoning=reasoning,
@@ -321,6 +368,12 @@ class Classifier:
                 return cls
         return self._classes[-1][0]
 
-    def classify(self, endpoint: Endpoint, body: Mapping[str, Any], task_header: str | None = None) -> Classification:
-        f = self.features(endpoint, body, task_header)
+    def classify(
+        self,
+        endpoint: Endpoint,
+        body: Mapping[str, Any],
+        task_header: str | None = None,
+        texts: Callable[[], Texts] | None = None,
+    ) -> Classification:
+        f = self.features(endpoint, body, task_header, texts)
         return Classification(f, self.traffic_class(f))

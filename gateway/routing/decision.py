@@ -7,16 +7,17 @@ client errors (unknown model, no pool for embeddings, bad parameters) exactly as
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.config.schema import RoutingRules, TrafficClass
 from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
-from gateway.routing.classify import Classifier, Endpoint, RequestFeatures
+from gateway.routing.classify import Classifier, Endpoint, RequestFeatures, Texts
 from gateway.routing.plan import Plan, PoolView, plan_route
-from gateway.routing.route_state import RouteChoice, RoutingState
+from gateway.routing.prompt_key import continues, prompt_chunks
+from gateway.routing.routing_state import RouteChoice, RoutingState
 
 
 class RoutingInputs(Protocol):
@@ -45,11 +46,28 @@ class Decision:
     klass: TrafficClass | None = None
     choice: RouteChoice | None = None  # the class controller's answer; None without a controller
     unknown_model: str | None = None  # the requested model when no pool serves it (the plan is empty)
+    served: frozenset[str] = frozenset()  # with unknown_model: the models the pools serve, for the 404's message
+    # the prompt's chunk hashes when the decision computed them (a controller pool has prefix affinity on: the
+    # attempts record them where the request goes); None: not computed
+    prompt: tuple[int, ...] | None = None
+    warmth: Mapping[str, int] | None = None  # controller pool → counted warm prefix (tokens); None: not weighed
 
     def check_model(self) -> None:
         """Raise the 404 for a model no pool serves (after the caller has recorded the class)."""
         if self.unknown_model is not None:
-            raise ModelNotFound(f"The model `{self.unknown_model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(self.unknown_model, self.served), param="model")
+
+
+MAX_LISTED_MODELS = 20  # a 404's message names at most this many served models
+
+
+def not_found(model: object, served: Collection[str]) -> str:
+    """The 404 message for a model no pool serves, naming the ones served (as ``GET /v1/models`` lists them)."""
+    names = sorted(served)
+    listed = ", ".join(names[:MAX_LISTED_MODELS]) + (
+        f" and {len(names) - MAX_LISTED_MODELS} more" if len(names) > MAX_LISTED_MODELS else ""
+    )
+    return f"The model `{model}` does not exist. Models served here: {listed or 'none'} (GET /v1/models)."
 
 
 def decide(
@@ -61,36 +79,47 @@ def decide(
     rng: random.Random,
     *,
     count: bool = True,
+    texts: Callable[[], Texts] | None = None,
+    prompt: tuple[int, ...] | None = None,
 ) -> Decision:
     """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
-    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404."""
+    serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
+    texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk); ``prompt``: its
+    chunk hashes, taken from the rendering made there."""
     if endpoint is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
         if pool_name is None:
             raise RouteNotFound("this gateway has no pool for embeddings")
         if not isinstance(model, str) or model not in live.pools[pool_name].models:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            raise ModelNotFound(not_found(model, live.pools[pool_name].models), param="model")
         plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
         return Decision("embeddings", plan, stream=False, max_attempts=1)
-    c = live.classifier.classify(endpoint, body, task_header)
+    c = live.classifier.classify(endpoint, body, task_header, texts)
     f = c.features
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
-        return Decision(c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model)
+        return Decision(
+            c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
+        )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
+    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
         live.views(),
-        route_state=None if choice is None else choice.pick,
+        pick=None if choice is None else choice.pick,
         split=choice is not None and choice.state == "split",
         forced=choice is not None and choice.forced,
-        candidates=None if choice is None or not choice.pools else dict(choice.pools),
+        by_kind=None if choice is None or not choice.pools else dict(choice.pools),
         probe=choice is not None and choice.why == "probe",
         speeds=None if choice is None else choice.speeds,
-        visitor=choice is not None and choice.why == "spill",
+        visitor_limit=None if choice is None else choice.visitor_limit,
+        why=None if choice is None else choice.why,
+        warmth=warmth,
+        warm_eligible=eligible,
+        away_limit=None if choice is None else choice.away_limit,
     )
     return Decision(
         c.traffic_class.name,
@@ -100,4 +129,28 @@ def decide(
         features=f,
         klass=c.traffic_class,
         choice=choice,
+        prompt=prompt,
+        warmth=warmth,
     )
+
+
+def _warmth(
+    live: RoutingInputs,
+    endpoint: Endpoint,
+    body: Mapping[str, Any],
+    choice: RouteChoice | None,
+    hashed: tuple[int, ...] | None = None,
+) -> tuple[tuple[int, ...] | None, dict[str, int] | None, bool]:
+    """For a class with a controller whose pools have prefix affinity on: the prompt's chunk hashes (the attempts
+    record them, so that the next turn finds its prefix), each controller pool's counted warm prefix of it (only
+    when some index holds anything) and whether the request continues a conversation (it may go to its warm
+    home). Nothing for other requests: they pay no hashing here."""
+    if choice is None or not choice.pools:
+        return None, None, False
+    pools = [p for _, name in choice.pools if (p := live.pools.get(name)) is not None]
+    if not any(p.affinity.enabled for p in pools):
+        return None, None, False
+    prompt = prompt_chunks(endpoint, body) if hashed is None else hashed
+    if not prompt or not any(p.indexed() for p in pools):
+        return prompt, None, False
+    return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, continues(endpoint, body)

@@ -61,24 +61,6 @@ ACCEPTANCE_BY_TEMPERATURE: tuple[tuple[float, float], ...] = (
 AcceptanceSource = Literal["measured", "last measured", "prior", "none"]
 
 
-def expected_delay(
-    view: PoolLoadView, tpot_fallback_s: float, *, output_tokens: float = DEFAULT_OUTPUT_TOKENS
-) -> float | None:
-    """Seconds until a new request sent to ``view``'s pool has its first token and its ``output_tokens`` decoded,
-    at the pool's own TPOT (``tpot_mean_s``, else ``tpot_fallback_s``): the estimate above with the class's speed
-    equal to the pool's. None when the pool is stale: unknown, never 0."""
-    if view.stale or view.running is None or view.waiting is None:
-        return None
-    measured = view.tpot_mean_s
-    tpot = measured if measured is not None and measured > 0 and math.isfinite(measured) else tpot_fallback_s
-    if not (tpot > 0 and math.isfinite(tpot)):
-        return None
-    endpoints = max(view.fresh_endpoints, 1)
-    running, waiting = view.running / endpoints, view.waiting / endpoints
-    decode = output_tokens * tpot
-    return waiting * queued_tokens(view) * tpot / max(running, 1.0) + tpot + decode
-
-
 MAX_QUEUED_TOKENS = 16 * DEFAULT_OUTPUT_TOKENS  # a mean beyond this is not trusted (a cluster snapshot is input)
 
 
@@ -208,40 +190,17 @@ def estimate(
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """One window's measurements for a class's two candidate pools. None = not measured (never read as 0)."""
+    """One window's measurements for a class's two pools (speculative and standard). None = not measured (never
+    read as 0)."""
 
     samples: int  # the class's requests measured in the window
-    spec_delay_s: float | None  # the class's expected completion time on the speculative candidate pool
-    alt_delay_s: float | None  # the class's expected completion time on the standard candidate pool
+    spec_cost_s: float | None  # the class's cost on its speculative pool (Estimate.cost_s: own time + impact)
+    std_cost_s: float | None  # the class's cost on its standard pool
     spec_queue: float | None = None  # waiting per fresh endpoint of the speculative pool
     spec_batch: float | None = None  # running per fresh endpoint of the speculative pool
     acceptance: float | None = None  # the class's acceptance rate (Δaccepted / Δdraft_tokens) in the window
     p95_s: float | None = None  # the class's p95 latency in the window
     stale: bool = False
-    # A class with clearly more acceptance on the same speculative pool is partly off it (gateway.routing.order):
+    # A class with clearly more acceptance on the same speculative pool is partly off it (gateway.routing.ownership):
     # this class takes no share onto that pool and hands back what it has there first.
     outranked_by: str | None = None
-
-    @classmethod
-    def from_views(
-        cls,
-        spec: PoolLoadView,
-        alt: PoolLoadView,
-        *,
-        samples: int,
-        tpot_fallback_s: float,
-        acceptance: float | None = None,
-        p95_s: float | None = None,
-        output_tokens: float = DEFAULT_OUTPUT_TOKENS,
-    ) -> Observation:
-        n = spec.fresh_endpoints
-        return cls(
-            samples=samples,
-            spec_delay_s=expected_delay(spec, tpot_fallback_s, output_tokens=output_tokens),
-            alt_delay_s=expected_delay(alt, tpot_fallback_s, output_tokens=output_tokens),
-            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
-            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
-            acceptance=acceptance,
-            p95_s=p95_s,
-            stale=spec.stale or alt.stale,
-        )

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 from gateway.config.schema import Route
 from gateway.errors import NoCapacity
+from gateway.routing.ownership import full_for_visitors, should_spill
+from gateway.routing.warm_home import WarmHome, warm_home
+
+# The route reason of a Responses API follow-up: it goes only to the endpoint holding its conversation.
+STICKY = "sticky"
 
 # Skip reasons that no client retry can change (only a config change or an operator can).
 PERMANENT_SKIPS = frozenset({"unknown pool", "model not served", "drained"})
@@ -29,23 +34,22 @@ class PoolView:
     routable_endpoints: int
     in_flight: int
     drained: bool = False  # every endpoint has weight 0
-    # In flight per endpoint at which the classes at home here start to spill (RoutingRules.home_spill_limit):
-    # a class drawn here from another home goes home instead from then on. None: no limit.
-    home_spill_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The ordered pools a request may try, and why the first was chosen (``reason``: ``preferred``,
-    ``saturated``, ``<pool> unavailable``, a controller's pick, ...). ``skipped`` names the pools left out and why
-    (an empty plan answers 503 from it); ``models`` the pools asked for another model (``route.fallback_model``);
-    ``ttft_deadline_s`` the class's first-event deadline for streams. Pure data, built by ``plan_route``."""
+    """The ordered pools a request may try, and why the first was chosen (``reason``, see ``route_reason``: the
+    one value the route header, the access log, the route metric and explain show). ``skipped`` names the pools
+    left out and why (an empty plan answers 503 from it); ``models`` the pools asked for another model
+    (``route.fallback_model``); ``ttft_deadline_s`` the class's first-event deadline for streams. Pure data,
+    built by ``plan_route``."""
 
     pools: tuple[str, ...]
     reason: str
     skipped: tuple[tuple[str, str], ...] = ()
     models: tuple[tuple[str, str], ...] = ()  # (pool, model): ask that pool for another model (route.fallback_model)
     ttft_deadline_s: float | None = None  # streams: the class's first-event deadline (None: the pool's first_byte_s)
+    warm: WarmHome | None = None  # the warm-home decision (None: not weighed: no controller, or no warmth given)
 
     @property
     def empty(self) -> bool:
@@ -68,49 +72,8 @@ class Plan:
         return NoCapacity(f"no pool can take this request now ({skipped})", retry_after_s=5, headers=headers)
 
 
-def is_saturated(route: Route, pool: PoolView) -> bool:
-    limit = route.saturation.max_inflight_per_endpoint
-    if limit is None or pool.routable_endpoints == 0:
-        return False
-    return pool.in_flight >= limit * pool.routable_endpoints
-
-
-def full_for_visitors(pool: PoolView | None) -> bool:
-    """The pool has as many requests in flight as its home classes take before they spill: a share of another
-    class drawn onto it goes home instead, so that visitors never push the pool's own traffic off it."""
-    if pool is None or pool.home_spill_limit is None or pool.routable_endpoints == 0:
-        return False
-    return pool.in_flight >= pool.home_spill_limit * pool.routable_endpoints
-
-
-def _per_endpoint(pool: PoolView) -> float:
-    return pool.in_flight / pool.routable_endpoints if pool.routable_endpoints else float("inf")
-
-
-def should_spill(
-    route: Route, preferred: PoolView, saturated: PoolView | None, speeds: Mapping[str, float] | None = None
-) -> bool:
-    """Spill to ``route.saturated``: the preferred pool is over its in-flight limit AND the saturated pool is the
-    less loaded one. Without the second condition a burst moves the whole class onto a pool that may be busier
-    still (measured: a class spilling 71% of its requests onto an already saturated standard pool, whose p50 went
-    from 4 s to 19 s, while the speculative pool had room).
-
-    "Less loaded" counts requests per endpoint, each weighted by the class's time per output token on that pool
-    when its controller knows both (``speeds``: pool → seconds, from its last round): a pool where this class
-    decodes three times slower is not less loaded with half the requests (measured: a copy-heavy class spilling a
-    fifth of its requests at 30% load onto a standard pool that decoded it 3x slower, p99 +30%)."""
-    if saturated is None or saturated.routable_endpoints == 0 or not is_saturated(route, preferred):
-        return False
-    here, there = _per_endpoint(preferred), _per_endpoint(saturated)
-    if speeds:
-        slow_here, slow_there = speeds.get(preferred.name), speeds.get(saturated.name)
-        if slow_here and slow_there and slow_here > 0 and slow_there > 0:
-            return (there + 1.0) * slow_there < (here + 1.0) * slow_here
-    return there < here
-
-
-def controller_candidates(route: Route, pools: Mapping[str, PoolView]) -> dict[str, str] | None:
-    """The class's controller candidates by pool kind (``{"speculative": name, "standard": name}``) among
+def pools_by_kind(route: Route, pools: Mapping[str, PoolView]) -> dict[str, str] | None:
+    """The class's controller pools by kind (``{"speculative": name, "standard": name}``) among
     ``route.preferred`` / ``route.saturated``; None when they are not one of each (the loader checks this)."""
     if route.saturated is None:
         return None
@@ -128,83 +91,151 @@ def plan_route(
     model: str,
     pools: Mapping[str, PoolView],
     *,
-    route_state: str | None = None,
+    pick: str | None = None,
     split: bool = False,
     forced: bool = False,
-    candidates: Mapping[str, str] | None = None,
+    by_kind: Mapping[str, str] | None = None,
     probe: bool = False,
     speeds: Mapping[str, float] | None = None,
-    visitor: bool = False,
+    visitor_limit: int | None = None,
+    why: str | None = None,
+    warmth: Mapping[str, int] | None = None,
+    warm_eligible: bool = False,
+    away_limit: int | None = None,
 ) -> Plan:
-    """Order the candidate pools for one request of a class, by the class's route and the pools' state.
+    """Order the pools for one request of a class, by the class's route and the pools' state.
 
-    ``route_state`` is the pool kind the class controller picked for this request (``"speculative"`` /
-    ``"standard"``; None: no controller): the candidate of that kind goes first, the other second, then the
-    fallbacks (reason ``controller:<kind>``, or ``controller:split:<kind>`` when ``split``: the controller sends
-    a share of the class to each pool and this request drew ``<kind>``; ``controller:probe:speculative`` for a
-    probe). ``candidates``: the controller's pools by kind (``RoutingRules.candidates``); without them, the pools
-    of each kind among route.preferred / route.saturated.
-    ``visitor``: the controller drew the pool away from home by load (its share, not a probe, a force, the guard
-    or the safe state); such a draw goes home instead while that pool is full for visitors
-    (``full_for_visitors``: as busy as its own classes take before they spill; reason ``controller:<kind>:full``):
-    otherwise a share of open chat drawn onto a busy speculative pool would push the JSON and code at home there
-    onto the standard pool, the two classes swapping places to everyone's loss.
-    The in-flight saturation rule (``should_spill``: over the limit, and the saturated pool less loaded) still
-    applies on top while the controller picks ``route.preferred``: it reacts at once, the controller only once per
-    round. When the controller picks ``route.saturated`` that pool is not checked (the limit is defined for the
-    preferred pool only). ``speeds``: the class's time per output token on each pool, from its controller's last
-    round (``should_spill`` weighs the pools' loads by them).
+    ``pick`` is the pool kind the class controller picked for this request (``"speculative"`` / ``"standard"``;
+    None: no controller): the controller's pool of that kind goes first, the other second, then the fallbacks
+    (reason ``controller:<kind>``, or ``controller:split:<kind>`` when ``split``: the controller sends a share of
+    the class to each pool and this request drew ``<kind>``; ``controller:probe:speculative`` for a probe).
+    ``by_kind``: the controller's pools by kind (``RoutingRules.controller_pools``); without them, the pools of
+    each kind among route.preferred / route.saturated.
+    ``visitor_limit``: the controller drew the pool away from home by load (its share, not a probe, a force, the
+    guard or the safe state), and that pool takes visitors up to this many requests in flight per endpoint
+    (``ownership.visitor_limit``; None: not a visitor, or no limit); past it the draw goes home instead (reason
+    ``controller:<kind>:full``): otherwise a share of open chat drawn onto a busy speculative pool would push the
+    JSON and code at home there onto the standard pool, the two classes swapping places to everyone's loss.
+    The in-flight saturation rule (``ownership.should_spill``: over the limit, and the saturated pool less
+    loaded) still applies on top while the controller picks ``route.preferred``: it reacts at once, the controller
+    only once per round. When the controller picks ``route.saturated`` that pool is not checked (the limit is
+    defined for the preferred pool only). ``speeds``: the class's time per output token on each pool, from its
+    controller's last round (``should_spill`` weighs the pools' loads by them).
 
     A class with ``route.pin`` never gets a pool of the other kind in its plan (skipped: ``pinned to <kind>``).
 
-    ``forced``: an on-call class route on a class without a controller (``route_state`` is the forced kind): the
-    first pool of that kind among the route's pools (preferred, saturated, fallback) goes first, the others keep
+    ``why``: the controller's reason for the draw when it is not the load (``guard``, ``stale``): it shows in the
+    reason (``controller:guard:<kind>``).
+
+    ``forced``: an on-call class route (``pick`` is the forced kind): the controller's pool of that kind, else the
+    first pool of that kind among the route's pools (preferred, saturated, fallback), goes first, the others keep
     their order after it (reason ``forced:<kind>``); no saturation spill.
+
+    ``warmth``: pool → the longest counted warm prefix of this prompt there (tokens; computed by the fleet, None:
+    not weighed). When the controller drew a pool by load (or holds the class at its safe state while its
+    measurements are stale) and the request continues a conversation
+    (``warm_eligible``), the other controller pool goes first while its prefix is longer there, it is not full for
+    visitors (``away_limit``: the visitor limit of the class's pool away from home) and, at home, not spilling
+    (``gateway.routing.warm_home``; reason ``warm:<kind>``). The decision is kept in ``Plan.warm``.
     """
-    if forced and route_state is not None:
-        return _forced_plan(route, model, pools, route_state)
+    if pick is None:
+        by_kind = None
+    elif by_kind is None:
+        by_kind = pools_by_kind(route, pools)
+    if forced and pick is not None:
+        return _forced_plan(route, model, pools, pick, by_kind)
     preferred = pools.get(route.preferred)
-    reason = "preferred"
+    decided = "preferred"
     order: list[str] = [route.preferred]
-    if route_state is None:
-        candidates = None
-    elif candidates is None:
-        candidates = controller_candidates(route, pools)
-    if candidates is not None and route_state is not None and route_state in candidates:
-        first = candidates[route_state]
-        # the other candidate is the next attempt only where the route names it (a balancing class whose other
-        # pool came from "any pool of the model" takes a share there, but "fallback: []" still means no retry)
+    warm: WarmHome | None = None
+    if by_kind is not None and pick is not None and pick in by_kind:
+        first = by_kind[pick]
+        # the other pool is the next attempt only where the route names it (a balancing class whose other pool
+        # came from "any pool of the model" takes a share there, but "fallback: []" still means no retry)
         named = {route.preferred, route.saturated, *route.fallback}
-        order = [first] + [n for n in candidates.values() if n != first and n in named]
-        reason = f"controller:split:{route_state}" if split else f"controller:{route_state}"
-        if probe:
-            reason = f"controller:probe:{route_state}"
-        if visitor and first != route.preferred and full_for_visitors(pools.get(first)):
+        order = [first] + [n for n in by_kind.values() if n != first and n in named]
+        decided = "probe" if probe else why if why in ("guard", "stale") else "split" if split else "controller"
+        if first != route.preferred and full_for_visitors(pools.get(first), visitor_limit):
             order = [route.preferred] + ([first] if first in named else [])
-            reason = f"controller:{route_state}:full"
+            decided = "full"
+        if warmth is not None:
+            other = next((n for n in by_kind.values() if n != first), None)
+            if other is not None:
+                warm = warm_home(
+                    route,
+                    first,
+                    other,
+                    warmth,
+                    pools,
+                    eligible=warm_eligible and decided in ("controller", "split", "stale"),
+                    away_limit=away_limit,
+                    speeds=speeds,
+                )
+                if warm.won:
+                    order = [other] + ([first] if first in named else [])
+                    decided, pick = "warm", next(k for k, n in by_kind.items() if n == other)
     if (
-        (candidates is None or order[0] == route.preferred)
+        (by_kind is None or order[0] == route.preferred)
         and route.saturated is not None
         and preferred is not None
         and should_spill(route, preferred, pools.get(route.saturated), speeds)
     ):
         order = [route.saturated, route.preferred]
-        reason = "saturated"
+        decided = "saturated"
     order.extend(route.fallback)
-    return _plan(route, model, pools, order, reason)
+    return _plan(route, model, pools, order, decided, pick, warm)
 
 
-def _forced_plan(route: Route, model: str, pools: Mapping[str, PoolView], kind: str) -> Plan:
+def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | None = None) -> str:
+    """The one route reason of a plan (the ``x-specgate-route`` header, the access log's ``route_reason``, the
+    ``specgate_route_decisions_total`` label and explain's ``plan.reason``): what put the first pool first.
+
+    ``decided``: what ordered the pools (``preferred``, ``saturated``, ``forced``, or the class controller's
+    ``controller`` / ``split`` / ``probe`` / ``guard`` / ``stale`` / ``full``, or ``warm``: the conversation's warm
+    home, ``gateway.routing.warm_home``), ``kind`` the pool kind it picked.
+    ``displaced``: (the pool it put first, why that pool was left out) when another pool goes first: then what
+    decided is that pool's absence, ``<pool> drained`` (an on-call drain) or ``<pool> unavailable`` (no routable
+    endpoint, the model not served, ...; explain's ``skipped`` says which)."""
+    if displaced is not None:
+        pool, why = displaced
+        return f"{pool} drained" if why == "drained" else f"{pool} unavailable"
+    if decided in ("preferred", "saturated") or kind is None:
+        return decided
+    if decided == "forced":
+        return f"forced:{kind}"
+    if decided == "controller":
+        return f"controller:{kind}"
+    if decided == "full":
+        return f"controller:{kind}:full"
+    if decided == "warm":
+        return f"warm:{kind}"
+    return f"controller:{decided}:{kind}"  # split, probe, guard, stale
+
+
+def _forced_plan(
+    route: Route, model: str, pools: Mapping[str, PoolView], kind: str, by_kind: Mapping[str, str] | None
+) -> Plan:
     names = [route.preferred] + ([route.saturated] if route.saturated is not None else []) + list(route.fallback)
     order = list(dict.fromkeys(names))
-    first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
+    first = None if by_kind is None else by_kind.get(kind)
+    if first is None:
+        first = next((n for n in order if (v := pools.get(n)) is not None and v.kind == kind), None)
     if first is not None:
-        order.remove(first)
+        if first in order:
+            order.remove(first)
         order.insert(0, first)
-    return _plan(route, model, pools, order, f"forced:{kind}")
+    return _plan(route, model, pools, order, "forced", kind)
 
 
-def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[str], reason: str) -> Plan:
+def _plan(
+    route: Route,
+    model: str,
+    pools: Mapping[str, PoolView],
+    order: list[str],
+    decided: str,
+    kind: str | None,
+    warm: WarmHome | None = None,
+) -> Plan:
     chosen: list[str] = []
     other_model: list[str] = []  # fallback pools that serve route.fallback_model instead: tried last
     skipped: list[tuple[str, str]] = []
@@ -227,7 +258,9 @@ def _plan(route: Route, model: str, pools: Mapping[str, PoolView], order: list[s
         else:
             (chosen if serves else other_model).append(name)
     final = chosen + other_model
-    if final and final[0] != order[0] and reason == "preferred":
-        reason = f"{order[0]} unavailable"
+    displaced = None
+    if final and final[0] != order[0]:
+        displaced = (order[0], next((why for name, why in skipped if name == order[0]), "unavailable"))
+    reason = route_reason(decided, kind, displaced)
     models = tuple((name, alt) for name in other_model if alt is not None)
-    return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s)
+    return Plan(tuple(final), reason, tuple(skipped), models, route.ttft_deadline_s, warm)

@@ -16,6 +16,7 @@ anything unexpected is left out.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +35,10 @@ def _part(part: Any) -> str:
     text = part.get("text")
     if isinstance(text, str):
         return text
-    # An image or audio part: its identity, not its (possibly large) bytes.
-    return f"<{part.get('type')}:{hash(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))}>"
+    # An image or audio part: its identity, not its (possibly large) bytes. A digest, not ``hash()``: the text is
+    # the same in every process (a large body's prompt is rendered in a parsing process).
+    digest = hashlib.blake2b(orjson.dumps(part, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
+    return f"<{part.get('type')}:{digest}>"
 
 
 def _content(content: Any) -> str:
@@ -112,6 +115,27 @@ def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
     else:
         _responses(body, out)
     return "".join(out)
+
+
+def continues(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+    """The request continues a conversation: its prompt carries an earlier turn's answer (a chat ``assistant`` or
+    ``tool`` message; a Responses API input item that is not a user, system or developer message, or a
+    ``previous_response_id``). A completions prompt cannot tell: False. Only such a request may go to its warm home
+    (``gateway.routing.warm_home``): a new conversation goes by its class."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        return isinstance(messages, list) and any(
+            isinstance(m, dict) and m.get("role") in ("assistant", "tool", "function") for m in messages
+        )
+    if endpoint == "responses":
+        if isinstance(body.get("previous_response_id"), str):
+            return True
+        raw = body.get("input")
+        return isinstance(raw, list) and any(
+            isinstance(i, dict) and i.get("role", i.get("type")) not in ("user", "system", "developer", "message")
+            for i in raw
+        )
+    return False
 
 
 def prompt_chunks(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, ...]:

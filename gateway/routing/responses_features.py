@@ -112,8 +112,9 @@ def _item_text(item: Mapping[str, Any]) -> str:
     return ""
 
 
-def responses_inputs(body: Mapping[str, Any]) -> ResponsesInputs:
-    """Read a Responses API body. Raises ``InvalidParameter`` (400 naming the field) on wrong types."""
+def responses_texts(body: Mapping[str, Any]) -> tuple[str, str, int]:
+    """The system text (``instructions`` and system/developer messages), the last user text and the characters of
+    ``instructions`` and ``input``. Raises ``InvalidParameter`` when they have the wrong shape."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidParameter("'instructions' must be a string", param="instructions")
@@ -139,6 +140,13 @@ def responses_inputs(body: Mapping[str, Any]) -> ResponsesInputs:
                 last_user = text
     else:
         raise InvalidParameter("'input' is required: a string or an array of input items", param="input")
+    return "\n".join(system), last_user, chars
+
+
+def responses_inputs(body: Mapping[str, Any], texts: tuple[str, str, int] | None = None) -> ResponsesInputs:
+    """Read a Responses API body. Raises ``InvalidParameter`` (400 naming the field) on wrong types. ``texts``:
+    what ``responses_texts`` gave for it, when read elsewhere."""
+    system, last_user, chars = responses_texts(body) if texts is None else texts
     previous = body.get("previous_response_id")
     if previous is not None and not valid_response_id(previous):
         raise InvalidParameter(
@@ -155,7 +163,7 @@ def responses_inputs(body: Mapping[str, Any]) -> ResponsesInputs:
         tools=_tools(body),
         response_format=_format(body),
         reasoning=_reasoning(body),
-        system="\n".join(system),
+        system=system,
         last_user=last_user,
         chars=chars,
         previous_response_id=previous,

@@ -37,9 +37,10 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
-from gateway.routing.route_state import ProbeChange, RoutingState
+from gateway.routing.routing_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
+from gateway.runtime.parse_pool import ParsePool
 from gateway.runtime.reload import Reloader, ReloadResult
 from gateway.runtime.tenants import Tenancy
 from gateway.runtime.workers import WorkerGroup
@@ -73,6 +74,8 @@ class Runtime:
         self.detached = DetachedBudget(settings.max_detached, settings.max_detached_per_client)
         self.audit = AuditLog()  # routing changes (controller transitions, admin actions), for GET /admin/audit
         self.trusted_proxies = settings.trusted_proxy_networks()  # whose X-Forwarded-For is kept (proxy.headers)
+        # Large request bodies are parsed in these processes (gateway.proxy.parse_pool); None: on the event loop.
+        self.parse_pool = ParsePool(settings.parse_workers) if settings.parse_workers > 0 else None
         keys = settings.client_api_keys()
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         # Tenants (--tenants-file): their keys, limits, priority and share weight. None: none of that is done.
@@ -179,7 +182,7 @@ class Runtime:
     def _audit_transition(self, t: Transition) -> None:
         if self.cluster is not None and self.cluster.role == "follower":
             return  # the leader audits the cluster's transitions once (a follower's come from on-call forces)
-        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail}
+        detail = {"from": t.from_state, "to": t.to_state, "share": t.share, "detail": t.detail, "rule": t.rule}
         self.overrides.record(
             AuditRecord.now("controller", "controller_transition", f"class/{t.class_name}", t.reason, detail)
         )
@@ -288,7 +291,7 @@ class Runtime:
         """Load and validate the routing YAML; raises ``RulesError`` with every problem found."""
         path = Path(settings.rules)
         text = path.read_text()
-        rules = load_rules_text(text, source=str(path))
+        rules = load_rules_text(text, source=str(path), stand_ins=settings.stand_in_urls())
         return cls(settings, LiveConfig.build(rules, str(path), text))
 
     async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:
@@ -367,6 +370,8 @@ class Runtime:
         )
         if self.cluster is not None:
             self.cluster.start()
+        if self.parse_pool is not None:
+            self.parse_pool.start()
         health = run_every(self._health_round, lambda: self.settings.health_interval_s, what="health", log=logger)
         scrape = run_every(
             self._scrape_round,
@@ -409,5 +414,7 @@ class Runtime:
             await self.tenancy.close()
         for client in self.live.clients.values():
             await client.close()
+        if self.parse_pool is not None:
+            await self.parse_pool.close()
         if self.tracing is not None:  # the spans still buffered go out (bounded by the exporter's timeout)
             await asyncio.to_thread(self.tracing.shutdown)

@@ -41,8 +41,6 @@ class LiveConfig:
     clients: dict[str, PoolClient]
     models: tuple[str, ...]
     model_set: frozenset[str]
-    # Per pool: in flight per endpoint at which its home classes spill (RoutingRules.home_spill_limit), once.
-    spill_limits: dict[str, int | None] = field(default_factory=dict)
     # The last view of each pool (``views``): immutable, handed out again while the pool's numbers are the same.
     _views: dict[str, PoolView] = field(default_factory=dict, compare=False, repr=False)
 
@@ -75,7 +73,6 @@ class LiveConfig:
             clients=clients,
             models=models,
             model_set=frozenset(models),
-            spill_limits={p.name: rules.home_spill_limit(p.name) for p in rules.pools},
         )
 
     @property
@@ -87,14 +84,14 @@ class LiveConfig:
         last = self._views
         out: dict[str, PoolView] = {}
         for name, p in self.pools.items():
-            out[name] = last[name] = _view(p, last.get(name), self.spill_limits.get(name))
+            out[name] = last[name] = _view(p, last.get(name))
         return out
 
     def healthy_endpoints(self) -> int:
         return sum(p.healthy_count() for p in self.pools.values())
 
 
-def _view(pool: PoolState, last: PoolView | None, home_spill_limit: int | None = None) -> PoolView:
+def _view(pool: PoolState, last: PoolView | None) -> PoolView:
     """The pool as the decision sees it now, in one pass over its endpoints; ``last`` again when its numbers are
     the same (a frozen dataclass costs more to build than to compare)."""
     routable = in_flight = 0
@@ -112,10 +109,9 @@ def _view(pool: PoolState, last: PoolView | None, home_spill_limit: int | None =
         and last.routable_endpoints == routable
         and last.in_flight == in_flight
         and last.drained is drained
-        and last.home_spill_limit == home_spill_limit
     ):
         return last
-    return PoolView(pool.name, pool.spec.kind, pool.models, routable, in_flight, drained, home_spill_limit)
+    return PoolView(pool.name, pool.spec.kind, pool.models, routable, in_flight, drained)
 
 
 def _clients(rules: RoutingRules, previous: LiveConfig | None) -> dict[str, PoolClient]:

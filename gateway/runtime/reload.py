@@ -399,7 +399,7 @@ class Reloader:
         if digest == old.digest:
             return result("unchanged", attempted_hash=digest, message="the file is the config in force")
         try:
-            rules = load_rules_text(text, source)
+            rules = load_rules_text(text, source, rt.settings.stand_in_urls())
         except RulesError as exc:
             return result("invalid", attempted_hash=digest, issues=tuple(exc.issues))
         try:

@@ -8,7 +8,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and n
 ``GET /metrics``; ``GET /sim/stats``, ``GET/PUT /sim/faults``, ``POST /sim/faults/reset``, ``GET /sim/options``.
 ``--api-key`` protects ``/v1/*`` only, like vLLM's middleware.
 
-A generation request: parse and validate like vLLM (``wire.parse_request``), draw the injected faults, draw the
+A generation request: parse and validate like vLLM (``wire.parse_request``; an ``X-Vllm-Priority`` header
+overrides the body's ``priority``), draw the injected faults, draw the
 request's acceptance from the task (``X-Sim-Task``, else ``wire.guess_task``) and temperature, submit one
 ``GenRequest`` per output sequence to the engine (``QueueFull`` → 503), then stream one chunk per engine step
 (every token that step emitted) or answer once generation ends. A watcher on ``receive`` notices the client going
@@ -41,6 +42,8 @@ from gateway.sim.faults import MALFORMED_METRICS, Faults, RequestFaults
 from gateway.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.sim.state import TASK_HEADER, SimOptions, SimState, sim_state
 from gateway.sim.tracing import TRACE_HEADERS
+
+PRIORITY_HEADER = "x-vllm-priority"
 
 __all__ = ["SimOptions", "SimState", "create_sim_app", "sim_state"]
 
@@ -105,6 +108,11 @@ def create_sim_app(options: SimOptions) -> Starlette:
             raise wire.WireError(400, "The request body must be a JSON object.")
         return body
 
+    def with_header_priority(request: Request, req: wire.SimRequest) -> wire.SimRequest:
+        """vLLM's ``X-Vllm-Priority`` header overrides the body's ``priority``."""
+        priority = wire.priority_header(request.headers.get(PRIORITY_HEADER))
+        return req if priority is None else dataclasses.replace(req, priority=priority)
+
     def admit() -> Response | RequestFaults:
         """The injected faults of an admitted request, or the error answer (injected, or the engine stopped)."""
         faults = state.faults.draw()
@@ -124,6 +132,7 @@ def create_sim_app(options: SimOptions) -> Starlette:
             )
         except wire.WireError as exc:
             return error_response(exc)
+        req = with_header_priority(request, req)
         faults = admit()
         if isinstance(faults, Response):
             return faults
@@ -145,6 +154,7 @@ def create_sim_app(options: SimOptions) -> Starlette:
             )
         except wire.WireError as exc:
             return error_response(exc)
+        req = with_header_priority(request, req)
         faults = admit()
         if isinstance(faults, Response):
             return faults

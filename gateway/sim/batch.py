@@ -14,12 +14,12 @@ finishes; a sequence's blocks that no one holds stay cached in free memory until
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.sim.metrics import VllmMetrics, observe_n
 from gateway.sim.prefix_cache import PrefixCache, chain_hashes
+from gateway.sim.request_queue import SchedulingPolicy, WaitingQueue, new_queue, rank
 from gateway.sim.sequence import Generation
 
 BLOCK_SIZE = 16  # vLLM's default KV block size (tokens)
@@ -46,10 +46,12 @@ class Batch:
     total_blocks: int
     block_size: int
     cache: PrefixCache | None
+    scheduling_policy: SchedulingPolicy
+    priority_policy: bool
     _free_blocks: int
     _rng: random.Random
     _running: list[Generation]
-    _waiting: deque[Generation]
+    _waiting: WaitingQueue
     _aborts: int
     _ctx: int
     _queued_prompt_tokens: int
@@ -86,6 +88,12 @@ class Batch:
                 continue
             need = -(-(g.computed + reserve) // bs) - g.blocks - g.shared
             if need > 0:
+                if need > self._free_blocks and self.priority_policy:
+                    preempted = True
+                    fits, i, back, _ = self._preempt_lowest(g, need, i, decodes, [])
+                    budget += back
+                    if not fits:  # g was the lowest: the sequences after it rank higher and may still fit
+                        continue
                 while need > self._free_blocks and running[-1] is not g:
                     self._preempt(running[-1])
                     preempted = True
@@ -106,6 +114,13 @@ class Batch:
                 continue
             chunk = min(g.prefill_target - g.computed, budget)
             need = self._blocks_for(g.computed + chunk + k) - g.blocks - g.shared
+            if need > self._free_blocks and self.priority_policy:
+                preempted = True
+                fits, _, back, back_prefill = self._preempt_lowest(g, need, 0, decodes, prefills)
+                budget += back
+                n_prefill -= back_prefill
+                if not fits:
+                    continue
             if need > self._free_blocks:
                 busy = set(map(id, decodes))  # never preempt a sequence already scheduled in this step
                 while need > self._free_blocks and running[-1] is not g and id(running[-1]) not in busy:
@@ -157,8 +172,37 @@ class Batch:
             return None
         return _Plan(decodes, prefills, admitted, latest, n_prefill)
 
+    def _preempt_lowest(
+        self, g: Generation, need: int, i: int, decodes: list[Generation], prefills: list[tuple[Generation, int]]
+    ) -> tuple[bool, int, int, int]:
+        """Priority policy, ``g`` needs ``need`` free blocks: preempt the running sequence of lowest priority (the
+        largest ``rank``, whichever it is) until they are free or ``g`` itself was preempted, as vLLM does. A victim
+        already scheduled in this step leaves the plan and its tokens go back to the budget. Returns whether ``g``
+        fits, the running index ``i`` shifted past victims before it, the budget and the prefill tokens given back."""
+        running = self._running
+        back = back_prefill = 0
+        while need > self._free_blocks:
+            victim = max(reversed(running), key=rank)  # ties (same arrival time): the last admitted, as under fcfs
+            if running.index(victim) < i:
+                i -= 1
+            if victim in decodes:
+                decodes.remove(victim)
+                back += 1 + self.k_max
+            else:
+                for j, (p, chunk) in enumerate(prefills):
+                    if p is victim:
+                        del prefills[j]
+                        back += chunk
+                        back_prefill += chunk
+                        break
+            self._preempt(victim)
+            if victim is g:
+                return False, i, back, back_prefill
+        return True, i, back, back_prefill
+
     def _preempt(self, g: Generation) -> None:
-        """Recompute preemption: drop the sequence's KV, back to the front of the queue."""
+        """Recompute preemption: drop the sequence's KV, back to the front of the queue (to its place by priority
+        under the priority policy)."""
         running = self._running
         if running and running[-1] is g:
             running.pop()
@@ -338,7 +382,7 @@ class Batch:
             self._running = [g for g in self._running if not g.aborted]
         queued = [g for g in self._waiting if g.aborted]
         if queued:
-            self._waiting = deque(g for g in self._waiting if not g.aborted)
+            self._waiting = new_queue(self.scheduling_policy, (g for g in self._waiting if not g.aborted))
         for g in dropped + queued:
             self._release(g)
             self._finish(g, "abort", g.finished if g.finished is not None else now)

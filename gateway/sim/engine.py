@@ -7,7 +7,9 @@ prefilling (chunked prefill), then waiting requests while ``running < max_num_se
 sequence when speculative) allow. With prefix caching (on by default, as in vLLM V1) a request's cached prefix
 is not prefilled again (``batch``); the cache's changes go to ``on_kv_events`` after every step.
 A decode that finds the KV cache full preempts the newest running sequence back to the front of the queue (its KV
-is dropped and recomputed later, as vLLM's recompute preemption does). K comes from the speculative config, per
+is dropped and recomputed later, as vLLM's recompute preemption does). Under ``scheduling_policy="priority"`` the
+queue is ordered by the request's priority, then arrival (``request_queue``), and the running sequence of lowest
+priority is the one preempted (``Batch._preempt_lowest``). K comes from the speculative config, per
 number of scheduled requests when it has ``num_speculative_tokens_per_batch_size``.
 
 The step lasts ``physics.step_time``; the loop sleeps until the simulated clock reaches its end, then emits: a
@@ -36,7 +38,6 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ from gateway.sim.batch import BLOCK_SIZE, Batch
 from gateway.sim.metrics import SpecStats, VllmMetrics
 from gateway.sim.physics import DraftCost, Preset, SpecConfig, TargetCost, step_time
 from gateway.sim.prefix_cache import Event, PrefixCache, chain_hashes
+from gateway.sim.request_queue import POLICIES, SchedulingPolicy, WaitingQueue, new_queue
 from gateway.sim.sequence import EngineDead, Generation, GenRequest, QueueFull
 
 __all__ = ["BLOCK_SIZE", "Engine", "EngineDead", "GenRequest", "Generation", "QueueFull", "SpecStats"]
@@ -80,9 +82,14 @@ class Engine(Batch):
         block_size: int = BLOCK_SIZE,
         enable_prefix_caching: bool = True,
         on_kv_events: Callable[[list[Event]], None] | None = None,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}")
+        self.scheduling_policy: SchedulingPolicy = scheduling_policy
+        self.priority_policy = scheduling_policy == "priority"
         self.preset = preset
         self.spec = spec
         self.metrics = metrics
@@ -111,7 +118,7 @@ class Engine(Batch):
         self._timers: list[tuple[float, int, asyncio.Future[None]]] = []  # virtual clock: (t, seq, future) heap
         self._timer_seq = itertools.count()
         self._running: list[Generation] = []
-        self._waiting: deque[Generation] = deque()
+        self._waiting: WaitingQueue = new_queue(scheduling_policy)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._aborts = 0
@@ -333,7 +340,7 @@ class Engine(Batch):
             if not g.done:
                 g.end(reason, now)
         self._running = []
-        self._waiting = deque()
+        self._waiting = new_queue(self.scheduling_policy)
         self._free_blocks = self.total_blocks
         if self.cache is not None:
             self.cache.drop_all()

@@ -19,10 +19,11 @@ from gateway.sim.framing import (
     model_not_found,
 )
 from gateway.sim.pseudotext import request_seed
+from gateway.sim.request_queue import PRIORITY_MAX, PRIORITY_MIN
 from gateway.sim.tokens import chat_prompt_ids, completion_prompt_ids, content_text, token_ids
 
 __all__ = ["OutputLengths", "SeqPlan", "SimRequest", "chat_text", "count_tokens", "guess_task", "parse_request",
-           "token_ids"]  # fmt: skip
+           "priority_header", "token_ids"]  # fmt: skip
 
 # --------------------------------------------------------------------------------------------------------------
 # Output length and request parsing
@@ -90,6 +91,7 @@ class SimRequest:
     max_tokens: int | None
     prompt_tokens: int  # usage.prompt_tokens (each prompt once)
     seqs: tuple[SeqPlan, ...]
+    priority: int = 0  # the body's `priority` (lower first under --scheduling-policy priority)
 
 
 def _opt_number(body: dict[str, Any], key: str) -> float | None:
@@ -108,6 +110,28 @@ def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise WireError(400, f"{key} must be an integer >= {minimum}.", param=key)
     return value
+
+
+def _priority(value: Any) -> int:
+    """The body's ``priority``: an integer in vLLM's signed 64-bit range (0 when absent or null)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        message = f"priority must be an integer between {PRIORITY_MIN} and {PRIORITY_MAX}."
+        raise WireError(400, message, param="priority")
+    return value
+
+
+def priority_header(value: str | None) -> int | None:
+    """vLLM's ``X-Vllm-Priority`` header, which overrides the body's ``priority`` when it reads as an integer
+    (otherwise it is ignored, as vLLM ignores it; so is a value outside the 64-bit range here)."""
+    if value is None or len(value) > 24:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if PRIORITY_MIN <= n <= PRIORITY_MAX else None
 
 
 def parse_request(
@@ -134,6 +158,7 @@ def parse_request(
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
     n = _opt_int(body, "n", 1) or 1
+    priority = _priority(body.get("priority", 0))
     min_tokens = _opt_int(body, "min_tokens", 0) or 0
     if kind == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
@@ -156,6 +181,14 @@ def parse_request(
                 "Please reduce the length of the input prompt.",
                 param="input_tokens",
             )
+        if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:  # vLLM refuses, never clamps
+            raise WireError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+                f"({max_tokens} > {max_model_len} - {prompt_tokens}).",
+                param="max_tokens",
+            )
         prompt_seed = base_seed if len(prompts) == 1 else request_seed(model, {**body, "prompt": prompt})
         for i in range(n):
             seed = (prompt_seed + i * 0x9E3779B97F4A7C15) % (1 << 64)
@@ -177,6 +210,7 @@ def parse_request(
         max_tokens=max_tokens,
         prompt_tokens=sum(len(ids) for _, ids in prompts),
         seqs=tuple(seqs),
+        priority=priority,
     )
 
 

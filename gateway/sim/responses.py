@@ -136,7 +136,7 @@ def prepare(body: dict[str, Any], store: ResponseStore) -> Prepared:
         "messages": messages,
         "stream": body.get("stream") is True and not background,
     }
-    for key in ("temperature", "top_p", "tools", "seed", "ignore_eos", "min_tokens"):
+    for key in ("temperature", "top_p", "tools", "seed", "ignore_eos", "min_tokens", "priority"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:

@@ -31,6 +31,7 @@ class GenRequest:
     finish_reason: str = "length"  # reported when output_tokens is reached ("stop" or "length")
     prompt_ids: Sequence[int] = ()  # the prompt's token ids (prefix caching); empty: the request is not cached
     answer_ids: Callable[[int], Sequence[int]] | None = None  # the answer's token ids once n tokens are emitted
+    priority: int = 0  # the body's `priority`: lower first under the priority scheduling policy (ignored by fcfs)
 
 
 class QueueFull(Exception):

@@ -24,6 +24,7 @@ import uvicorn
 from gateway.sim.app import SimOptions, SimState, create_sim_app, sim_state
 from gateway.sim.faults import Faults, parse_metrics_mode
 from gateway.sim.presets import preset_names
+from gateway.sim.request_queue import POLICIES
 from gateway.sim.tuning import PHYSICS_KEYS, acceptance_model, acceptance_overrides, physics_options
 from gateway.sim.wire import OutputLengths
 
@@ -223,6 +224,13 @@ def sim_command(
         ),
     ] = True,
     block_size: Annotated[int | None, typer.Option(help="KV cache block size in tokens (default 16).", min=1)] = None,
+    scheduling_policy: Annotated[
+        str,
+        typer.Option(
+            help="fcfs (arrival order) | priority: the body's `priority` orders the queue (lower first, then arrival)"
+            " and the lowest-priority running request is the one preempted when the KV cache is full.",
+        ),
+    ] = "fcfs",
     kv_events_config: Annotated[
         str | None,
         typer.Option(
@@ -386,6 +394,8 @@ def sim_command(
         }.items()
         if value is not None
     }
+    if scheduling_policy not in POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(POLICIES)}", param_hint="--scheduling-policy")
     if per_request_spec_decode_metrics not in (None, "summary", "detailed"):
         raise typer.BadParameter("must be summary or detailed", param_hint="--per-request-spec-decode-metrics")
     try:
@@ -422,6 +432,7 @@ def sim_command(
             enable_responses_store=enable_responses_store,
             enable_prefix_caching=enable_prefix_caching,
             block_size=block_size,
+            scheduling_policy=scheduling_policy,
             kv_events_config=kv_events_config,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
             otlp_traces_endpoint=otlp_traces_endpoint,

@@ -21,6 +21,7 @@ from gateway.sim.kv_events import KVEventPublisher, KVEventsConfig
 from gateway.sim.metrics import VllmMetrics, cache_config_labels
 from gateway.sim.physics import AcceptanceModel, DraftCost, SpecConfig, TargetCost
 from gateway.sim.presets import get_preset, speculative_kv_fraction
+from gateway.sim.request_queue import SchedulingPolicy
 from gateway.sim.tokens import answer_ids
 from gateway.sim.tracing import SimTracer
 
@@ -57,6 +58,7 @@ class SimOptions:
     draft: DraftCost | None = None  # the proposer's cost (default: the preset's for the method)
     kv_cache_tokens: int | None = None  # a standard server's KV-cache capacity (default: the preset's)
     enable_prefix_caching: bool = True  # vLLM V1's automatic prefix caching (--no-enable-prefix-caching)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy: fcfs, or priority (lower first)
     block_size: int | None = None  # KV block size in tokens (default 16)
     kv_events_config: str | None = None  # JSON, vLLM's KVEventsConfig (KV cache events over ZMQ)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens) in responses
@@ -106,6 +108,7 @@ class SimState:
             block_size=block_size,
             enable_prefix_caching=options.enable_prefix_caching,
             on_kv_events=self.kv_events.publish if self.kv_events is not None else None,
+            scheduling_policy=options.scheduling_policy,
         )
         self.metrics.set_cache_config(
             cache_config_labels(
@@ -159,6 +162,7 @@ class SimState:
                     finish_reason=seq.finish_reason,
                     prompt_ids=seq.prompt_ids,
                     answer_ids=_answer(seq.seed, req.kind == "chat"),
+                    priority=req.priority,
                 )
                 gens.append(self.engine.submit(gr))
         except Exception:

@@ -51,6 +51,7 @@ from gateway.sim.parsing import (
     count_tokens,
     guess_task,
     parse_request,
+    priority_header,
     token_ids,
 )
 from gateway.sim.pseudotext import pseudo_tokens, request_seed
@@ -82,6 +83,7 @@ __all__ = [
     "model_list",
     "model_not_found",
     "parse_request",
+    "priority_header",
     "pseudo_tokens",
     "queue_full",
     "remember_transport",

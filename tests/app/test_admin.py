@@ -21,6 +21,7 @@ from starlette.routing import Route
 from gateway.admin.app import AdminAuth, create_admin_app
 from gateway.config.settings import Settings
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.observability.logs import JsonFormatter
 from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.proxy.app import create_app
 from gateway.runtime.container import Runtime
@@ -417,7 +418,7 @@ def test_audit_log_is_bounded_and_logs_json_lines(caplog: pytest.LogCaptureFixtu
     assert log.total == 5
     assert [r.target for r in log.records()] == ["endpoint/e2", "endpoint/e3", "endpoint/e4"]
     assert log.records(limit=0) == []
-    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "specgate.audit"]
+    lines = [orjson.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "specgate.audit"]
     assert len(lines) == 5
     assert lines[0]["event"] == "audit"
     assert (lines[0]["actor"], lines[0]["target"], lines[0]["detail"]) == ("admin", "endpoint/e0", {"weight": 0})

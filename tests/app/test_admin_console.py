@@ -189,6 +189,8 @@ async def test_state_tells_the_console_what_it_may_do(tmp_path: Path) -> None:
         assert abs(state["now"] - time.time()) < 5
         ep = state["pools"]["spec"]["endpoints"][0]
         assert (ep["ejected"], ep["ejected_for_s"]) == (False, None)
+        # never scraped: the hit rate is unknown (null, never 0); the gateway's index of it is empty
+        assert (ep["prefix_hit_ratio"], ep["prefix_index_chunks"]) == (None, 0)
     rt.live.pools["spec"].endpoints[0].eject(time.monotonic(), 30, 60)
     async with client_for(create_admin_app(rt, TOKEN)) as c:
         ep = (await c.get("/admin/state")).json()["pools"]["spec"]["endpoints"][0]

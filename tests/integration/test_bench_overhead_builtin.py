@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 from gateway.bench.closed_loop import drive
-from gateway.bench.overhead import TARGETS, bench_overhead, render
+from gateway.bench.overhead import TARGETS, bench_overhead, epp_skipped, render
+from gateway.bench.overhead_epp import EPP_TARGETS
 from gateway.sim.launch import free_port, wait_for_port
 
 
@@ -34,13 +35,16 @@ def test_the_builtin_closed_loop_counts_requests_and_errors() -> None:
 def test_bench_overhead_runs_end_to_end_with_the_builtin_tool() -> None:
     rows, streams = bench_overhead([1], 1, prompt_chars=200, tool="builtin")
     assert [(r.mode, r.connections) for r in rows] == [("json", 1), ("stream", 1)]
+    skipped = epp_skipped()
     for row in rows:
-        assert set(row.results) == set(TARGETS)
+        with_epp = row.mode == "json" and skipped is None  # Envoy alone and Envoy + specgate epp, where here
+        assert set(row.results) == set(TARGETS) | (set(EPP_TARGETS) if with_epp else set())
         for target, result in row.results.items():
             assert result.errors == 0, target
             assert result.rps > 0, target
             assert not math.isnan(result.p50_s), target
     assert set(streams.ttft_p50_s) == {"direct", "minimal-aiohttp", "specgate"}
-    text = render(rows, streams)
+    text = render(rows, streams, skipped)
     assert "added p50, 1 connection" in text
+    assert ("EPP added p50, 1 connection" in text) if skipped is None else ("not measured: " + skipped in text)
     assert "added TTFT p50" in text

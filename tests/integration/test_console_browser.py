@@ -228,8 +228,11 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
     page.click("#confirm-ok")
     expect(page.locator("#confirm-error")).to_contain_text("A reason is required")
     shot(page, "drain-dialog.png", full=False)
+    page.fill("#confirm-reason", "INC")
+    expect(page.locator("#confirm-error")).to_have_text("")  # the warning goes once there is a reason
     confirm(page, "INC-42: spec pool maintenance")
     expect(page.locator("#banner")).to_contain_text("Pool spec drained")
+    expect(spec).to_contain_text("INC-42: spec pool maintenance")  # the pool card says why it is drained
 
     row = page.locator("#overrides tbody tr").filter(has_text="drain pool spec")
     expect(row).to_be_visible()
@@ -308,7 +311,9 @@ def test_sign_in_drain_see_routing_move_force_remove_undrain_and_reload(gw: Serv
         issues = page.locator("#confirm-issues li")
         expect(issues.filter(has_text="classes[0].route.fallback[0]")).to_have_count(1)
         expect(issues.filter(has_text="classes[1].route.preferred")).to_have_count(1)
-        expect(page.locator("#confirm-error")).to_contain_text("422 invalid_config:")
+        refused = "422 invalid_config: 2 problem(s) in the file; nothing changed."
+        expect(page.locator("#confirm-error")).to_have_text(refused)
+        expect(page.locator("#confirm-error")).not_to_contain_text("classes[0]")  # each error once, in the list
         shot(page, "reload-refused.png", full=False)
         page.click("#confirm-cancel")
     finally:
@@ -346,6 +351,10 @@ def test_read_only_without_a_token(gw_readonly: Serve, page: Any) -> None:
     expect(page.locator("#cluster-summary")).to_have_text("")
     expect(page.locator('article[data-pool="spec"]')).to_be_visible()
     expect(page.locator('article[data-pool="std"]')).to_be_visible()
+    # per endpoint, the server's measured prefix-cache hit rate ("–" while the scrapes have not measured one)
+    expect(page.locator('article[data-pool="spec"] table.endpoints th', has_text="prefix hits")).to_be_visible()
+    hits = page.locator('article[data-pool="spec"] table.endpoints td[data-col="prefix hits"]').first
+    expect(hits).to_have_text(re.compile(r"^(–|\d+%)$"))
     expect(page.locator("#login")).to_be_hidden()
     expect(page.locator("#mode")).to_have_text("read-only: no admin token on this gateway")
     expect(page.locator("#reload-btn")).to_be_hidden()

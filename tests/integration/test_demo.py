@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 def test_demo_serves_and_sigterm_stops_its_simulated_servers(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(free_port())],
         cwd=tmp_path,  # not the repository root: no routing_rules/ here
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -80,10 +80,10 @@ def _exports(banner: str) -> dict[str, str]:
 
 
 def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tmp_path: Path) -> None:
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(admin_port)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -98,13 +98,9 @@ def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tm
             if line.startswith("Ctrl-C"):
                 break
         exports = _exports(banner)
-        assert set(exports) == {"SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL"}, banner
+        assert set(exports) == {"SPECGATE_ADMIN_TOKEN", "SPECGATE_ADMIN_URL", "SPECGATE_ADMIN_ACTOR"}, banner
         assert len(exports["SPECGATE_ADMIN_TOKEN"]) >= 32
-        # port + 1 when it is free; the demo picks another when something else holds it
-        admin_url = exports["SPECGATE_ADMIN_URL"]
-        assert admin_url.startswith("http://127.0.0.1:"), admin_url
-        admin_port = int(admin_url.rsplit(":", 1)[1])
-        assert admin_port != port
+        assert exports["SPECGATE_ADMIN_URL"] == f"http://127.0.0.1:{admin_port}"  # the port asked for, never another
         wait_for_port(admin_port, 60.0)
 
         def specgate(*args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
@@ -123,6 +119,84 @@ def test_the_demo_prints_an_admin_token_that_the_on_call_commands_use_at_once(tm
         overrides = json.loads(listed.stdout)["overrides"]
         expected = [("pool_weight", "speculative", 0.5)]
         assert [(o["kind"], o["pool"], o["value"]) for o in overrides] == expected, overrides
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_demo_fails_before_its_banner_naming_the_taken_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:  # the first demo's gateway port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(free_port())]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert "specgate demo" not in done.stdout  # no banner, no "ready"
+    assert f"port {port} (the gateway) is already in use" in done.stderr
+    assert "--admin-port" in done.stderr
+
+
+def test_a_newcomer_runs_the_banner_as_printed_and_a_hot_reload_of_the_edited_file(tmp_path: Path) -> None:
+    """``make run`` in a checkout, then, in a clean shell (no virtualenv on its PATH, nothing set but what the banner
+    says to do), every on-call line of the banner run as printed; then an edit of routing_rules/default.yaml, which
+    the demo serves and watches."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "routing_rules").mkdir()
+    rules = tmp_path / "routing_rules" / "default.yaml"
+    shutil.copy(repo / "routing_rules" / "default.yaml", rules)
+    port, admin_port = free_port(), free_port()
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "USER": "newcomer", "LANG": "C.UTF-8"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--admin-port", str(admin_port)],
+        cwd=tmp_path,
+        env=clean,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        for line in proc.stdout:
+            banner += line
+            if line.startswith("Ctrl-C"):
+                break
+        assert f"routing YAML: {rules.resolve()}" in banner
+        assert f"http://127.0.0.1:{admin_port}/admin/ui" in banner
+        assert "SPECGATE_ADMIN_ACTOR" in banner
+        lines = banner.splitlines()
+        block = lines[lines.index(next(s for s in lines if s.startswith("On-call commands"))) + 1 :]
+        script = "\n".join(s for s in block[: block.index(next(s for s in block if s.startswith("Console")))])
+        curl = "\n".join(lines[lines.index(next(s for s in lines if "curl -s" in s)) :][:3])
+        wait_for_port(admin_port, 60.0)
+        wait_for_port(port, 60.0)
+        ran = subprocess.run(
+            ["bash", "-ec", script], cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert ran.returncode == 0, banner + ran.stdout + ran.stderr
+        assert "newcomer" in ran.stdout  # the audit names who changed the weight
+        answered = subprocess.run(["bash", "-ec", curl], env=clean, capture_output=True, text=True, timeout=60)
+        assert "x-specgate-route:" in answered.stdout.lower(), answered.stdout + answered.stderr
+
+        admin = f"http://127.0.0.1:{admin_port}/admin/config"
+        auth = {"authorization": f"Bearer {_exports(banner)['SPECGATE_ADMIN_TOKEN']}"}
+        before = httpx.get(admin, headers=auth, timeout=10).json()
+        assert before["source"] == str(rules.resolve())
+        rules.write_text(rules.read_text() + "\n# edited by the newcomer\n")
+        deadline = time.monotonic() + 30
+        while httpx.get(admin, headers=auth, timeout=10).json()["hash"] == before["hash"]:
+            assert time.monotonic() < deadline, "the demo never picked up the edited file"
+            time.sleep(0.2)
+        assert httpx.get(admin, headers=auth, timeout=10).json()["yaml"].endswith("# edited by the newcomer\n")
     finally:
         proc.terminate()
         try:

@@ -212,6 +212,7 @@ def _env(**extra: str) -> dict[str, str]:
 def test_api_keys_on_the_command_line_are_refused(tmp_path: Path, fake: Callable[..., object]) -> None:
     rules = _rules(tmp_path, fake("std").url)  # type: ignore[attr-defined]
     cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(rules), "--port", str(_free_port())]
+    cmd += ["--admin-port", str(_free_port())]
     done = subprocess.run([*cmd, "--api-keys", "sk-visible-in-ps"], env=_env(), capture_output=True, timeout=60)
     assert done.returncode == 2
     said = (done.stdout + done.stderr).decode()

@@ -24,6 +24,7 @@ from gateway.proxy.app import create_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
+from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, ServerThread, closed_port_url, rules_for
 
 pytestmark = pytest.mark.integration
@@ -193,8 +194,13 @@ async def test_an_unreachable_endpoint_is_stale_and_unhealthy(sims: tuple[SimSer
         assert scraper.views()["std"].stale
         assert not scraper.views()["spec"].stale
         load = scraper.loads["std"].endpoints["std-0"]
-        assert (load.last_result, load.health_ok) == ("error", False)
-        assert samples(metrics)[("specgate_scrapes_total", (("pool", "std"), ("result", "error")))] == 1
+        assert load.last_result == "error"
+        # /health is the health checker's to fetch (once per interval): the scrape shows its last result
+        (ep,) = [e for p in scraper._pools() for e in p.endpoints if e.id == "std-0"]
+        ep.healthy = False  # as the checker finds it
+        await scraper.scrape_all()
+        assert scraper.loads["std"].endpoints["std-0"].health_ok is False
+        assert samples(metrics)[("specgate_scrapes_total", (("pool", "std"), ("result", "error")))] == 2
     finally:
         await scraper.close()
 
@@ -224,3 +230,17 @@ def test_the_gateway_runs_the_scraper(sims: tuple[SimServer, SimServer], tmp_pat
     assert values[("specgate_pool_queue_depth", (("pool", "spec"),))] == 0
     assert values[("specgate_endpoint_scrape_stale", (("endpoint", "std-0"), ("pool", "std")))] == 0
     assert values[("specgate_scrapes_total", (("pool", "std"), ("result", "ok")))] >= 2
+
+
+async def test_a_scrape_round_fetches_metrics_and_never_health(fake: Callable[..., FakeUpstreamServer]) -> None:
+    """``/health`` is the health checker's, fetched once per interval: the scraper does not fetch it again."""
+    upstream = fake("both")
+    scraper, _ = scraper_for(upstream.url, upstream.url)
+    try:
+        await scraper.scrape_all()
+    finally:
+        await scraper.close()
+    async with httpx.AsyncClient(timeout=5) as client:
+        paths = [r["path"] for r in (await client.get(f"{upstream.url}/_fake/requests")).json()]
+    assert paths.count("/metrics") == 2  # one per endpoint
+    assert "/health" not in paths

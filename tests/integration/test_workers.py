@@ -56,7 +56,7 @@ def gateway_2_workers(tmp_path: Path, fake: Callable[..., FakeUpstreamServer]) -
     env["TMPDIR"] = str(tmp_path)  # where `serve` makes its private metrics directory, so the test can look in it
     log = tmp_path / "gateway.log"
     cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(rules), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--workers", "2", "--per-worker-state"]
+    cmd += ["--port", str(port), "--admin-port", "0", "--workers", "2", "--per-worker-state"]  # no default port
     cmd += ["--health-interval", "0.2", "--log-level", "warning"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)

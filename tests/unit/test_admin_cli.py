@@ -339,6 +339,7 @@ def test_audit_table_limit_and_since_against_the_real_app(real: tuple[str, Runti
     assert "vllm upgrade" in r.output
     assert "two hours ago" in r.output
     assert '{"weight":0}' in r.output
+    assert r.output.index("vllm upgrade") < r.output.index("two hours ago")  # newest first, as in the console
     r = invoke("audit", "--url", url, "--since", "1h")
     assert r.exit_code == 0, r.output
     assert "vllm upgrade" in r.output
@@ -443,3 +444,12 @@ def test_durations_and_since() -> None:
     assert ac.expires_text(None) == "never (until removed)"
     assert ac.expires_text(1000.0, now=2000.0).startswith("expired")
     assert ac.expires_text(2000.0 + 3 * 3600 + 120, now=2000.0).startswith("in 3h02m")
+
+
+def test_the_pools_table_counts_every_workers_requests() -> None:
+    from gateway.cli.admin import cluster_in_flight
+
+    pool = {"in_flight": 2, "cluster_in_flight": 7}
+    assert cluster_in_flight(pool, {"in_flight": 2, "remote_in_flight": 5}) == 7  # not the answering worker's 2
+    assert cluster_in_flight(pool, {"in_flight": 2}) == 2  # a single process: nothing remote
+    assert cluster_in_flight(pool, {}) == 7  # a pool without endpoints: the pool's total

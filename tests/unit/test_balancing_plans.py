@@ -8,8 +8,9 @@ from typing import Any
 
 from gateway.config.schema import RoutingRules
 from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.ownership import visitor_limit
 from gateway.routing.plan import PoolView, plan_route
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from tests.unit.test_routing_both_ways import SPEC, STD
 
 VIEWS = {
@@ -27,7 +28,7 @@ def plan(r: RoutingRules, kind: str) -> tuple[str, ...]:
     choice = rs.choose("chat", random.Random(1))
     assert choice is not None  # the built-in balancing controller
     cls = r.classes[0]
-    return plan_route(cls.route, "m", VIEWS, route_state=kind, candidates=dict(choice.pools)).pools
+    return plan_route(cls.route, "m", VIEWS, pick=kind, by_kind=dict(choice.pools)).pools
 
 
 def test_fallback_none_means_no_retry_on_the_other_pool() -> None:
@@ -65,24 +66,24 @@ def test_a_share_drawn_away_goes_home_while_that_pool_is_full_for_its_own_classe
             ],
         }
     )
-    assert (r.home_spill_limit("spec"), r.home_spill_limit("std")) == (8, None)
+    assert (visitor_limit(r, "spec"), visitor_limit(r, "std")) == (8, None)
     chat = r.classes[1].route
     pools = {"spec": ("spec", "std"), "standard": ("std", "spec")}
     cand = {"speculative": "spec", "standard": "std"}
 
     def views(spec_in_flight: int) -> dict[str, PoolView]:
-        spec = PoolView("spec", "speculative", frozenset({"m"}), 2, spec_in_flight, home_spill_limit=8)
+        spec = PoolView("spec", "speculative", frozenset({"m"}), 2, spec_in_flight)
         return {"spec": spec, "std": VIEWS["std"]}
 
-    below = plan_route(chat, "m", views(15), route_state="speculative", split=True, candidates=cand, visitor=True)
+    below = plan_route(chat, "m", views(15), pick="speculative", split=True, by_kind=cand, visitor_limit=8)
     assert (below.pools, below.reason) == (pools["spec"], "controller:split:speculative")
-    full = plan_route(chat, "m", views(16), route_state="speculative", split=True, candidates=cand, visitor=True)
+    full = plan_route(chat, "m", views(16), pick="speculative", split=True, by_kind=cand, visitor_limit=8)
     assert (full.pools, full.reason) == (pools["standard"], "controller:speculative:full")
     # a draw that is not the class's share by load (an on-call force, the guard, a probe) goes where it was sent
-    sent = plan_route(chat, "m", views(16), route_state="speculative", candidates=cand)
+    sent = plan_route(chat, "m", views(16), pick="speculative", by_kind=cand)
     assert sent.pools[0] == "spec"
     # the pool's own classes are not visitors there: their saturation spill decides (std is less loaded here)
-    json_ = plan_route(r.classes[0].route, "m", views(15), route_state="speculative", candidates=cand)
+    json_ = plan_route(r.classes[0].route, "m", views(15), pick="speculative", by_kind=cand)
     assert json_.pools[0] == "spec"
-    spilled = plan_route(r.classes[0].route, "m", views(16), route_state="speculative", candidates=cand)
+    spilled = plan_route(r.classes[0].route, "m", views(16), pick="speculative", by_kind=cand)
     assert (spilled.pools[0], spilled.reason) == ("std", "saturated")

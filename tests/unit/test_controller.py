@@ -14,16 +14,9 @@ from hypothesis import strategies as st
 
 from gateway.config.schema import ControllerConfig, PoolKind, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
-from gateway.routing.controller import (
-    LOAD_REASONS,
-    REASONS,
-    SAFETY_REASONS,
-    Controller,
-    Observation,
-    RouteState,
-    Transition,
-    expected_delay,
-)
+from gateway.routing.controller import Controller, Transition
+from gateway.routing.controller_rules import LOAD_REASONS, REASONS, SAFETY_REASONS, RouteState
+from gateway.routing.estimate import Observation, estimate
 
 BASE: dict[str, Any] = {
     "window_s": 10.0,
@@ -100,7 +93,7 @@ def test_config_errors_are_clear(kw: dict[str, Any], message: str) -> None:
         cfg(**kw)
 
 
-# -- expected delay ------------------------------------------------------------------------------------------
+# -- expected completion time ------------------------------------------------------------------------------------------
 
 
 def view(
@@ -114,32 +107,25 @@ def view(
     return PoolLoadView("p", max(fresh, 1), fresh, running, waiting, None, None, tpot, None, out_mean)
 
 
-def test_expected_delay() -> None:
+def expected(v: PoolLoadView, tpot_s: float, output_tokens: float = 100) -> float | None:
+    e = estimate(v, "standard", tpot_s, output_tokens=output_tokens)
+    return None if e is None else e.expected_s
+
+
+def test_expected_completion_time() -> None:
     # idle: one step for the first token + the decode
-    assert expected_delay(view(0, 0), 0.05, output_tokens=100) == pytest.approx(0.02 + 2.0)
+    assert expected(view(0, 0), 0.02) == pytest.approx(0.02 + 2.0)
     # 8 running, 4 waiting per endpoint: half a decode of queueing
-    assert expected_delay(view(16, 8, fresh=2), 0.05, output_tokens=100) == pytest.approx(1.0 + 0.02 + 2.0)
+    assert expected(view(16, 8, fresh=2), 0.02) == pytest.approx(1.0 + 0.02 + 2.0)
     # the queued requests are the pool's: its mean output, or 256 tokens before it finished any
-    assert expected_delay(view(16, 8, fresh=2, out_mean=300), 0.05, output_tokens=100) == pytest.approx(3.0 + 2.02)
-    assert expected_delay(view(16, 8, fresh=2, out_mean=None), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
-    assert expected_delay(view(16, 8, fresh=2, out_mean=0.0), 0.05, output_tokens=100) == pytest.approx(2.56 + 2.02)
+    assert expected(view(16, 8, fresh=2, out_mean=300), 0.02) == pytest.approx(3.0 + 2.02)
+    assert expected(view(16, 8, fresh=2, out_mean=None), 0.02) == pytest.approx(2.56 + 2.02)
+    assert expected(view(16, 8, fresh=2, out_mean=0.0), 0.02) == pytest.approx(2.56 + 2.02)
     # a mean no server reports (a corrupt cluster snapshot) is capped at 16 x 256 tokens
-    assert expected_delay(view(16, 8, fresh=2, out_mean=1e300), 0.05, output_tokens=100) == pytest.approx(40.96 + 2.02)
-    # no TPOT measured in the window: the fallback
-    assert expected_delay(view(0, 0, tpot=None), 0.05, output_tokens=100) == pytest.approx(0.05 + 5.0)
-    # stale: unknown, not 0
-    assert expected_delay(view(None, None, fresh=0), 0.05) is None
-    assert expected_delay(view(0, 0, tpot=None), math.nan) is None
-
-
-def test_observation_from_views() -> None:
-    spec, alt = view(20, 10, fresh=2), view(4, 0)
-    o = Observation.from_views(spec, alt, samples=7, tpot_fallback_s=0.05, acceptance=0.6, output_tokens=100)
-    assert (o.samples, o.spec_queue, o.spec_batch, o.acceptance, o.stale) == (7, 5.0, 10.0, 0.6, False)
-    assert o.spec_delay_s == pytest.approx(5 * 2.0 / 10 + 0.02 + 2.0)
-    stale = Observation.from_views(spec, view(None, None, fresh=0), samples=7, tpot_fallback_s=0.05)
-    assert stale.stale
-    assert stale.alt_delay_s is None
+    assert expected(view(16, 8, fresh=2, out_mean=1e300), 0.02) == pytest.approx(40.96 + 2.02)
+    # stale: unknown, not 0; an unusable TPOT too
+    assert expected(view(None, None, fresh=0), 0.05) is None
+    assert expected(view(0, 0, tpot=None), math.nan) is None
 
 
 # -- the decision --------------------------------------------------------------------------------------------
@@ -347,8 +333,8 @@ def mostly(values: st.SearchStrategy[float]) -> st.SearchStrategy[float | None]:
 observations = st.builds(
     Observation,
     samples=st.integers(0, 40),
-    spec_delay_s=mostly(st.floats(0.1, 5.0)),
-    alt_delay_s=mostly(st.floats(0.1, 5.0)),
+    spec_cost_s=mostly(st.floats(0.1, 5.0)),
+    std_cost_s=mostly(st.floats(0.1, 5.0)),
     spec_queue=mostly(st.floats(0, 20)),
     spec_batch=mostly(st.floats(0, 64)),
     acceptance=st.one_of(st.none(), st.floats(0, 1)),

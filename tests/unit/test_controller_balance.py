@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config.schema import ControllerConfig, PoolKind
-from gateway.routing.controller import Controller, Observation
+from gateway.routing.controller import Controller
+from gateway.routing.estimate import Observation
 from tests.unit.test_controller_symmetric import BASE as SYMMETRIC
 
 BASE: dict[str, Any] = {**SYMMETRIC, "balance_margin": 1.05}

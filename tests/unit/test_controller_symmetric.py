@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind
-from gateway.routing.controller import Controller, Observation
+from gateway.routing.controller import Controller
+from gateway.routing.estimate import Observation
 
 BASE: dict[str, Any] = {
     "window_s": 10.0,
@@ -99,8 +100,8 @@ delays = st.floats(0.05, 20.0)
 obs_strategy = st.builds(
     Observation,
     samples=st.integers(0, 60),
-    spec_delay_s=st.one_of(st.none(), delays),
-    alt_delay_s=st.one_of(st.none(), delays),
+    spec_cost_s=st.one_of(st.none(), delays),
+    std_cost_s=st.one_of(st.none(), delays),
     spec_queue=st.one_of(st.none(), st.floats(0, 20)),
     spec_batch=st.one_of(st.none(), st.floats(0, 64)),
     acceptance=st.one_of(st.none(), st.floats(0, 1)),

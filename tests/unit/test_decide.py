@@ -103,43 +103,43 @@ CONTROLLED = {
 
 def test_controller_state_puts_the_candidate_of_its_kind_first() -> None:
     r = route(saturated="std", fallback=["other"])
-    spec = plan_route(r, "m", CONTROLLED, route_state="speculative")
-    std = plan_route(r, "m", CONTROLLED, route_state="standard")
+    spec = plan_route(r, "m", CONTROLLED, pick="speculative")
+    std = plan_route(r, "m", CONTROLLED, pick="standard")
     assert (spec.pools, spec.reason) == (("spec", "std", "other"), "controller:speculative")
     assert (std.pools, std.reason) == (("std", "spec", "other"), "controller:standard")
 
 
 def test_controller_candidates_by_kind_not_by_position() -> None:
     r = Route.model_validate({"preferred": "std", "saturated": "spec"})  # home is the standard pool
-    assert plan_route(r, "m", CONTROLLED, route_state="speculative").pools == ("spec", "std")
-    assert plan_route(r, "m", CONTROLLED, route_state="standard").pools == ("std", "spec")
+    assert plan_route(r, "m", CONTROLLED, pick="speculative").pools == ("spec", "std")
+    assert plan_route(r, "m", CONTROLLED, pick="standard").pools == ("std", "spec")
 
 
 def test_no_controller_state_is_todays_plan() -> None:
     r = route(saturated="std", fallback=["other"])
-    assert plan_route(r, "m", CONTROLLED, route_state=None) == plan_route(r, "m", CONTROLLED)
+    assert plan_route(r, "m", CONTROLLED, pick=None) == plan_route(r, "m", CONTROLLED)
 
 
 def test_saturation_still_applies_when_the_controller_picks_the_preferred_pool() -> None:
     r = route(saturated="std", saturation={"max_inflight_per_endpoint": 2})
     busy = {**CONTROLLED, "spec": kview("spec", "speculative", in_flight=2)}
-    plan = plan_route(r, "m", busy, route_state="speculative")
+    plan = plan_route(r, "m", busy, pick="speculative")
     assert (plan.pools, plan.reason) == (("std", "spec"), "saturated")
     # on the saturated pool already: nothing to spill
-    assert plan_route(r, "m", busy, route_state="standard").reason == "controller:standard"
+    assert plan_route(r, "m", busy, pick="standard").reason == "controller:standard"
 
 
 def test_controller_state_skips_an_unavailable_candidate() -> None:
     r = route(saturated="std")
     pools = {**CONTROLLED, "spec": kview("spec", "speculative", routable=0)}
-    plan = plan_route(r, "m", pools, route_state="speculative")
+    plan = plan_route(r, "m", pools, pick="speculative")
     assert plan.pools == ("std",)
     assert plan.skipped == (("spec", "no routable endpoint"),)
 
 
 def test_controller_state_without_two_kinds_falls_back_to_the_route() -> None:
     r = Route.model_validate({"preferred": "std", "saturated": "other"})  # both standard: the loader refuses this
-    plan = plan_route(r, "m", CONTROLLED, route_state="speculative")
+    plan = plan_route(r, "m", CONTROLLED, pick="speculative")
     assert (plan.pools, plan.reason) == (("std",), "preferred")
 
 

@@ -15,7 +15,7 @@ from gateway.config.loader import RulesError, load_rules_text
 from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from tests.unit.test_routing_both_ways import SPEC, STD
 
 STD2 = {"name": "std2", "kind": "standard", "models": ["m"], "endpoints": [{"url": "http://std2:8000"}]}
@@ -102,7 +102,7 @@ def test_a_homogeneous_yaml_validates_and_its_classes_have_no_controller() -> No
         {"name": "chat", "route": {"preferred": "std2"}},
     ]
     r = load(pools=[STD, STD2], classes=classes)  # no RulesError: nothing to balance, nothing to complain about
-    assert all(r.candidates(cls) is None for cls in r.classes)
+    assert all(r.controller_pools(cls) is None for cls in r.classes)
     rs = state(r)
     assert rs.state_of("json") is None
     assert rs.state_of("chat") is None

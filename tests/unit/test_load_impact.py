@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.batch_slope import BatchSlope, PoolSpeeds
 from gateway.routing.estimate import estimate
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 from tests.unit.test_routing_both_ways import CTL, rules, state, view  # the same two-pool rules
 
 

@@ -18,7 +18,7 @@ from gateway.overrides.audit import AuditRecord
 from gateway.overrides.manager import Override, OverrideManager, effective_weight, parse_reason, parse_ttl, parse_weight
 from gateway.overrides.store import MemoryOverrideStore, OverrideStore
 from gateway.routing.plan import PoolView, plan_route
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 
 
 def make_rules(**admin: Any) -> RoutingRules:
@@ -231,7 +231,7 @@ async def test_class_route_on_a_class_without_controller() -> None:
     assert (choice.pick, choice.forced) == ("speculative", True)
     route = r.rules.classes[1].route
     views = {n: PoolView(n, p.spec.kind, p.models, len(p.endpoints), 0) for n, p in r.pools.items()}
-    plan = plan_route(route, "m", views, route_state=choice.pick, forced=choice.forced)
+    plan = plan_route(route, "m", views, pick=choice.pick, forced=choice.forced)
     assert (plan.pools, plan.reason) == (("spec", "std"), "forced:speculative")
     await r.mgr.remove(lambda o: o.kind == "class_route", actor="t", reason="auto", action="class_route_auto")
     assert r.routing.choose("default", random.Random(1)) is None
@@ -248,7 +248,7 @@ async def test_class_route_forces_the_controller_for_the_ttl() -> None:
     assert snap["forced_until"] == pytest.approx(clock() + 120)
     choice = r.routing.choose("code", random.Random(1))
     assert choice is not None
-    assert (choice.pick, choice.forced) == ("standard", False)
+    assert (choice.pick, choice.forced, choice.why) == ("standard", True, "forced")  # the force decided, not the share
     await r.mgr.remove(lambda o: True, actor="t", reason="auto", action="class_route_auto")
     assert r.routing.snapshot()["code"]["forced_until"] is None  # released: the controller decides again
 

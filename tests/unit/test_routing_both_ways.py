@@ -1,4 +1,4 @@
-"""Routing both ways (gateway.routing.route_state, plan, decision): every class with a controller compares its own
+"""Routing both ways (gateway.routing.routing_state, plan, decision): every class with a controller compares its own
 expected completion time on its two candidate pools; standard-home classes spill onto the speculative pool; probes;
 pins; ``defaults.controller``."""
 
@@ -17,7 +17,7 @@ from gateway.config.schema import Route, RoutingRules
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.plan import PoolView, plan_route
-from gateway.routing.route_state import ProbeChange, RoutingState
+from gateway.routing.routing_state import ProbeChange, RoutingState
 
 SPEC = {
     "name": "spec",
@@ -81,7 +81,7 @@ def test_a_pinned_class_gets_no_controller_and_its_plans_stay_on_its_pin() -> No
         "spec": PoolView("spec", "speculative", frozenset({"m"}), 1, 0),
         "std": PoolView("std", "standard", frozenset({"m"}), 0, 0),
     }
-    plan = plan_route(r.classes[1].route, "m", pools, route_state="speculative", forced=True)
+    plan = plan_route(r.classes[1].route, "m", pools, pick="speculative", forced=True)
     assert plan.pools == ()  # its pool is down: nothing, rather than the other kind
 
 
@@ -232,7 +232,5 @@ def test_a_pinned_class_is_never_planned_off_its_pin(
         }
     )
     candidates = {k: n for n, v in views.items() for k in (v.kind,)}
-    plan = plan_route(
-        route, "m", views, route_state=pick, forced=forced, split=split, probe=probe, candidates=candidates
-    )
+    plan = plan_route(route, "m", views, pick=pick, forced=forced, split=split, probe=probe, by_kind=candidates)
     assert all(views[name].kind == pin for name in plan.pools)

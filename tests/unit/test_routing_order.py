@@ -1,4 +1,4 @@
-"""gateway.routing.order and the controller's side of it: the speculative pool goes to the classes that gain most
+"""gateway.routing.ownership and the controller's side of it: the speculative pool goes to the classes that gain most
 there; an outranked class takes nothing onto it and hands back what it has, and two classes never swap places."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config.schema import ControllerConfig, PoolKind
-from gateway.routing.controller import Controller, Observation
-from gateway.routing.order import MARGIN, Standing, outranked
+from gateway.routing.controller import Controller
+from gateway.routing.estimate import Observation
+from gateway.routing.ownership import MARGIN, Standing, outranked
 from tests.unit.test_controller_balance import BASE
 
 

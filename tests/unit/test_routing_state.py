@@ -12,8 +12,9 @@ import pytest
 
 from gateway.config.schema import RoutingRules
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
+from gateway.observability.logs import JsonFormatter
 from gateway.observability.metrics import GatewayMetrics
-from gateway.routing.route_state import RoutingState
+from gateway.routing.routing_state import RoutingState
 
 POOLS: list[dict[str, Any]] = [
     {
@@ -97,7 +98,7 @@ def test_a_load_step_moves_the_class_with_a_metric_and_a_json_log_line(caplog: p
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "standard"}) == 1
     assert sample(m, "specgate_class_route_state", {"class": "code", "state": "speculative"}) == 0
     (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
-    line = orjson.loads(record.getMessage())
+    line = orjson.loads(JsonFormatter().format(record))
     assert line["class"] == "code"
     assert (line["from"], line["to"], line["reason"]) == ("speculative", "standard", "load")
     # and back when the load is gone
@@ -155,7 +156,7 @@ def test_an_idle_pool_borrows_the_other_candidates_tpot() -> None:
     idle_std = {"spec": view("spec", tpot=0.001), "std": view("std", running=0, tpot=float("nan"))}
     assert rs.on_scrape_round(1.0, idle_std) == []  # with the 30 ms default the idle pool would look faster
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["alt_delay_s"] == pytest.approx(0.001 * 257)
+    assert obs["std_cost_s"] == pytest.approx(0.001 * 257)
 
 
 def test_a_reload_without_the_controller_forgets_the_class() -> None:
@@ -176,8 +177,8 @@ def test_an_idle_pool_keeps_its_last_measured_tpot() -> None:
     rs.on_scrape_round(1.0, {"spec": view("spec", tpot=0.004), "std": view("std", tpot=0.01)})
     rs.on_scrape_round(2.0, {"spec": view("spec", running=0, tpot=float("nan")), "std": view("std", tpot=0.01)})
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["spec_delay_s"] == pytest.approx(0.004 * 257)
-    assert obs["alt_delay_s"] == pytest.approx(0.01 * 257)
+    assert obs["spec_cost_s"] == pytest.approx(0.004 * 257)
+    assert obs["std_cost_s"] == pytest.approx(0.01 * 257)
 
 
 def test_a_split_class_sends_its_share_to_the_speculative_pool_with_a_gauge_and_a_step_line(
@@ -198,7 +199,7 @@ def test_a_split_class_sends_its_share_to_the_speculative_pool_with_a_gauge_and_
         assert rs.on_scrape_round(2.0, BUSY) == []  # a step within split: not a transition
     assert sample(m, "specgate_class_speculative_share", {"class": "code"}) == 0.5
     (record,) = [r for r in caplog.records if r.name == "specgate.controller"]
-    line = orjson.loads(record.getMessage())
+    line = orjson.loads(JsonFormatter().format(record))
     assert (line["event"], line["share_from"], line["share"], line["reason"]) == ("controller_step", 0.75, 0.5, "load")
     # explain-style lookups do not count toward the samples
     before = rs.snapshot()["code"]["last_observation"]["samples"]
@@ -252,7 +253,7 @@ def test_the_controller_sees_the_window_mean_of_the_delays_not_one_noisy_scrape(
     rs.choose("code", RNG)
     assert rs.on_scrape_round(4.0, spiky) == []  # alone it reads 1.75 x standard's delay: over the exit margin
     obs = rs.snapshot()["code"]["last_observation"]
-    assert obs["spec_delay_s"] == pytest.approx((3 * 0.01 * 257 + (3 * 2.56 / 4 + 0.01 + 2.56)) / 4)
+    assert obs["spec_cost_s"] == pytest.approx((3 * 0.01 * 257 + (3 * 2.56 / 4 + 0.01 + 2.56)) / 4)
     # a sustained burst moves it
     for t in (5.0, 6.0, 7.0):
         rs.choose("code", RNG)

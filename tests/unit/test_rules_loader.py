@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config.checks import format_path, semantic_issues
 from gateway.config.loader import (
     ConfigIssue,
     RulesError,
-    check_rules,
     load_rules_file,
     load_rules_text,
     summary,
@@ -98,7 +98,7 @@ def test_invalid_fixture(name: str, expected: tuple[str, str, int | None]) -> No
 def test_valid_fixture(source: Path) -> None:
     rules = load_rules_file(source)
     assert rules.classes[-1].when.is_empty()
-    assert check_rules(rules) == []
+    assert list(semantic_issues(rules)) == []
 
 
 @pytest.mark.parametrize("source", SHIPPED, ids=lambda p: p.name)
@@ -196,12 +196,13 @@ def test_unreadable_file() -> None:
     assert "cannot read the file" in str(info.value)
 
 
-def test_check_rules_without_yaml_has_no_lines() -> None:
+def test_semantic_issues_of_rules_built_in_code() -> None:
     rules = load_rules_text(MINIMAL)
     broken = rules.model_copy(
         update={"classes": [TrafficClass.model_validate({"name": "x", "route": {"preferred": "nope"}})]}
     )
-    assert check_rules(broken) == [ConfigIssue("classes[0].route.preferred", 'unknown pool "nope" (known: standard)')]
+    issues = [(format_path(loc), msg) for loc, msg in semantic_issues(broken)]
+    assert issues == [("classes[0].route.preferred", 'unknown pool "nope" (known: standard)')]
 
 
 # ------------------------------------------------------------------------------------------- content
@@ -293,3 +294,19 @@ def test_default_yaml_decision_matrix(features: dict[str, object], cls: str, poo
     if pool == "speculative":
         assert route.saturated == "standard"
         assert route.saturation.max_inflight_per_endpoint is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("version: 1\npools:\n  - name: a\n    kind: standard\n     models: [m]\n", 5),  # a key one column too deep
+        ("version: 1\npools:\n  - name: a\n    kind: standard\n   models: [m]\n", 5),  # ... one too shallow
+        ("a:\n\tb: 1\n", 2),  # a tab
+    ],
+)
+def test_an_indentation_mistake_names_its_line_and_says_what_to_check(text: str, line: int) -> None:
+    with pytest.raises(RulesError) as info:
+        load_rules_text(text)
+    (issue,) = info.value.issues
+    assert issue.line == line
+    assert f"usually the indentation of line {line}" in issue.message

@@ -428,3 +428,20 @@ def test_sim_command_help_documents_every_flag() -> None:
             assert f"--{name.replace('_', '-')}" in result.output, name
     for vllm_flag in ("--served-model-name", "--max-num-seqs", "--speculative-config", "--api-key", "--seed"):
         assert vllm_flag in result.output
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_a_400_as_vllm_answers() -> None:
+    prompt = "word " * 100
+    tokens = parse("completion", {"prompt": prompt}, max_model_len=8192).prompt_tokens
+    with pytest.raises(wire.WireError) as info:
+        parse("completion", {"prompt": prompt, "max_tokens": 8192}, max_model_len=8192)
+    assert info.value.status == 400
+    assert info.value.body["error"]["param"] == "max_tokens"
+    assert info.value.body["error"]["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum context length is 8192 "
+        f"tokens and your request has {tokens} input tokens (8192 > 8192 - {tokens})."
+    )
+    fits = parse("completion", {"prompt": prompt, "max_tokens": 8192 - tokens}, max_model_len=8192)
+    assert fits.max_tokens == 8192 - tokens
+    with pytest.raises(wire.WireError):
+        parse("chat", {**CHAT, "max_completion_tokens": 100_000_000})

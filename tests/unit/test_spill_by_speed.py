@@ -4,7 +4,8 @@ spilled onto a pool with fewer requests where it decodes so much slower that it 
 from __future__ import annotations
 
 from gateway.config.schema import Route
-from gateway.routing.plan import PoolView, plan_route, should_spill
+from gateway.routing.ownership import should_spill
+from gateway.routing.plan import PoolView, plan_route
 
 ROUTE = Route.model_validate(
     {"preferred": "spec", "saturated": "std", "fallback": ["std"], "saturation": {"max_inflight_per_endpoint": 4}}

@@ -14,9 +14,14 @@ function weightValue(raw) {
   return Number.isFinite(n) ? n : t;
 }
 
+const REASON_REQUIRED = "A reason is required: say why (a ticket, an incident, a sentence).";
+
 function showError(err) {
   const status = err.status ? `${err.status}${err.code ? ` ${err.code}` : ""}: ` : "";
-  $("confirm-error").textContent = `${status}${err.message}`;
+  const issues = err.issues || [];
+  // a refused reload: its errors are listed below, each once; the line above says only how many
+  const message = issues.length ? `${issues.length} problem(s) in the file; nothing changed.` : err.message;
+  $("confirm-error").textContent = `${status}${message}`;
   swap(
     $("confirm-issues"),
     (err.issues || []).map((i) =>
@@ -50,6 +55,8 @@ function openDialog(ctx, spec) {
   });
   const update = () => {
     $("confirm-effect").textContent = spec.effect(values());
+    // the "reason required" warning goes as soon as there is a reason
+    if (values().reason && $("confirm-error").textContent === REASON_REQUIRED) $("confirm-error").textContent = "";
   };
   update();
   const form = $("confirm-form");
@@ -69,7 +76,7 @@ function openDialog(ctx, spec) {
     event.preventDefault();
     const v = values();
     if (spec.reason && !v.reason) {
-      $("confirm-error").textContent = "A reason is required: say why (a ticket, an incident, a sentence).";
+      $("confirm-error").textContent = REASON_REQUIRED;
       $("confirm-reason").focus();
       return;
     }

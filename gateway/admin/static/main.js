@@ -24,7 +24,7 @@ function makeHistory() {
       for (const [name, p] of Object.entries(state.pools)) {
         if (!pools.has(name)) pools.set(name, { waiting: [], inFlight: [] });
         push(pools.get(name).waiting, p.waiting);
-        push(pools.get(name).inFlight, p.in_flight);
+        push(pools.get(name).inFlight, p.cluster_in_flight ?? p.in_flight);
       }
       for (const c of state.classes) {
         if (!c.controller) continue;

@@ -83,7 +83,7 @@ function poolCard(name, p, ctx) {
     "dl",
     { class: "metrics" },
     [
-      ["in flight", num(p.in_flight)],
+      ["in flight", num(p.cluster_in_flight ?? p.in_flight)], // every replica's and worker's, not one worker's
       ["queue", num(p.waiting)],
       ["batch", num(p.running)],
       ["KV", pct(p.kv_usage)],
@@ -101,7 +101,9 @@ function poolCard(name, p, ctx) {
     ? h(
         "ul",
         { class: "pool-overrides" },
-        p.overrides.map((o) => h("li", {}, badge(describeOverride(o), o.kind === "drain" ? "warn" : "info"), " ", countdown(o.expires_at, ctx))),
+        p.overrides.map((o) =>
+          h("li", {}, badge(describeOverride(o), o.kind === "drain" ? "warn" : "info"), " ", countdown(o.expires_at, ctx), o.reason ? h("span", { class: "reason" }, ` ${o.reason} (${o.actor})`) : null),
+        ),
       )
     : null;
   const actions = ctx.canChange
@@ -134,7 +136,9 @@ function poolCard(name, p, ctx) {
         num(e.effective_weight, 2),
         changed ? h("div", { class: "desc" }, `YAML ${num(e.configured_weight, 2)}`) : null,
       ),
-      h("td", { class: "num" }, num(e.in_flight)),
+      h("td", { class: "num" }, num(e.in_flight + (e.remote_in_flight || 0))),
+      // the server's measured prefix-cache hit rate over the scrape window; "–" while unknown
+      h("td", { class: "num", "data-col": "prefix hits", title: `${num(e.prefix_index_chunks)} prompt chunks in the gateway's index` }, pct(e.prefix_hit_ratio)),
       ctx.canChange ? h("td", {}, button("Weight", `ew:${name}/${e.id}`, () => ctx.act.endpointWeight(name, e), { title: `Set the weight of endpoint ${e.id}` })) : null,
     );
   });
@@ -152,7 +156,7 @@ function poolCard(name, p, ctx) {
           h(
             "tr",
             {},
-            ["endpoint", "health", "weight", "in flight"].map((t) => h("th", { scope: "col", class: t === "weight" || t === "in flight" ? "num" : "" }, t)),
+            ["endpoint", "health", "weight", "in flight", "prefix hits"].map((t) => h("th", { scope: "col", class: t === "endpoint" || t === "health" ? "" : "num" }, t)),
             ctx.canChange ? h("th", { scope: "col" }, h("span", { class: "sr-only" }, "actions")) : null,
           ),
         ),
@@ -203,7 +207,14 @@ function classRow(c, ctx) {
     h("td", {}, routeText),
     h("td", {}, badge(state, state === "speculative" ? "spec" : state === "standard" ? "std" : "info"), " ", guard),
     h("td", { class: "share" }, ctl ? pct(ctl.share) : "–", ctl ? sparkline(ctx.history.klass(c.name), `class ${c.name} speculative share`, 1) : null),
-    h("td", {}, ctl ? ctl.last_reason || "–" : "–", ctl && ctl.holding ? h("div", { class: "desc" }, `holding: ${ctl.holding}`) : null),
+    h(
+      "td",
+      {},
+      ctl ? ctl.last_reason || "–" : "–",
+      // a force removed: the controller keeps the forced state until its next round decides
+      ctl && !force && ctl.last_reason === "manual" ? h("div", { class: "desc" }, "force removed: the controller decides at its next round") : null,
+      ctl && ctl.holding ? h("div", { class: "desc" }, `holding: ${ctl.holding}`) : null,
+    ),
     h("td", {}, force ? [badge(`forced ${force.value}`, "warn"), " ", countdown(force.expires_at, ctx)] : "–"),
     actions,
   );

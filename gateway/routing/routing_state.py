@@ -6,7 +6,7 @@ read on the hot path (``state_for_request``: one dict lookup and one integer inc
 
 Per controlled class and round it builds one ``Observation`` of the class's two candidate pools (its home,
 ``route.preferred``, and the first pool of the other kind among route.saturated, route.fallback, then all pools:
-``RoutingRules.candidates``):
+``RoutingRules.controller_pools``):
 
 - samples: the class's requests routed in the last ``controller.window_s`` (counted by ``choose``, differenced
   against per-round snapshots; a cluster's leader adds the other replicas'), or all of them since the class's share
@@ -16,7 +16,7 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
   tokens x the class's time per token there), queue and batch from the scraped ``PoolLoadView``\\ s, averaged over
   the fresh rounds of the window (one scrape of a queue is noise); a pool without a TPOT measurement in the scrape
   window (idle: no request finished) uses its last measured TPOT (and the acceptance it was measured at), else the
-  other candidate's, else ``DEFAULT_TPOT_S``. On the speculative pool the TPOT is rescaled from the pool's
+  other candidate's, else ``class_track.DEFAULT_TPOT_S``. On the speculative pool the TPOT is rescaled from the pool's
   acceptance to the class's: measured in the window, else its last measured, else a prior: that of the
   temperatures the class's requests carry (a running mean over about its last 20), before any request that of
   its temperature band (``controller.prior_acceptance`` overrides both); without the pool's acceptance it is not
@@ -30,7 +30,7 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
 Order: a class is outranked on its speculative pool while a speculative-home class there with clearly more
-acceptance is partly off it (``gateway.routing.order``, from the last round's standings); its observation says so
+acceptance is partly off it (``gateway.routing.ownership``, from the last round's standings); its observation says so
 and its controller takes nothing onto that pool and hands back its share there first.
 
 Probes: while a class's controller says so (``Controller.probe_share``), ``choose`` sends that share of a class
@@ -57,33 +57,28 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry
 
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.observability.logs import log_event
 from gateway.routing.batch_slope import PoolSpeeds
-from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, windowed
+from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, class_draft_counts, observe_pools, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
-from gateway.routing.controller import Controller, Observation, RouteState, Transition
+from gateway.routing.controller import Controller, Transition
+from gateway.routing.controller_rules import RouteState
 from gateway.routing.estimate import (
-    AcceptanceSource,
-    estimate,
     per_token_acceptance,
     prior_rate,
-    rate_from_per_token,
 )
-from gateway.routing.order import outranked, standing_of
+from gateway.routing.ownership import outranked, standing_of, visitor_limit, visitor_limits
 
 logger = logging.getLogger("specgate.controller")
 
 SEEN_WEIGHT = 0.05  # weight of one request's temperature in its class's mean: about the last 20 requests
-DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither candidate pool has a measurement
 STATES: tuple[RouteState, ...] = ("speculative", "split", "standard")
-DRAFT_TOKENS = "specgate_class_draft_tokens"
-ACCEPTED_TOKENS = "specgate_class_accepted_draft_tokens"
 
 
 class RoutingState:
@@ -157,13 +152,21 @@ class RoutingState:
         else:
             state, share = ctl.state, ctl.share
         pools = (("speculative", c.spec_pool), ("standard", c.std_pool))
+        forced = self._forced.get(class_name)
+        if forced is not None:  # an on-call force decides, not the controller's share, probe or guard
+            kind = forced[0]
+            return RouteChoice(ctl.state, kind, ctl.share, forced=True, why="forced", pools=pools, speeds=c.speeds)
         pick: PoolKind
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
             if count:
                 self.probes.labels(class_name).inc()
             return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
-        return RouteChoice(state, pick, share, why=_why(ctl, pick), pools=pools, speeds=c.speeds)
+        why = _why(ctl, pick)
+        limit = c.visitor_limit if why == "spill" else None
+        return RouteChoice(
+            state, pick, share, why=why, pools=pools, speeds=c.speeds, visitor_limit=limit, away_limit=c.visitor_limit
+        )
 
     # -- a cluster's follower ---------------------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ class RoutingState:
 
     def local_counts(self) -> dict[str, tuple[float, float, float]]:
         """This process's cumulative (requests, draft tokens, accepted tokens) per controlled class."""
-        drafted, accepted = self._class_draft_counts()
+        drafted, accepted = class_draft_counts(self._registry)
         return {
             name: (float(c.requests), drafted.get(name, 0.0), accepted.get(name, 0.0))
             for name, c in self._classes.items()
@@ -248,11 +251,12 @@ class RoutingState:
         rules = self._rules()
         spec_pools = {p.name for p in rules.pools if p.kind == "speculative"}
         self._speeds.round(now, views, speculative=spec_pools, window_s=rules.scrape.window_s)
-        drafted, accepted = self._class_draft_counts()
+        drafted, accepted = class_draft_counts(self._registry)
         remote = self.remote_counts()
         if self._adopted:  # deciding again (no fresh snapshot to follow): from this process's controllers
             self.adopt({})
         out: list[Transition] = []
+        window: dict[str, float] = {}  # each class's requests in its last window (cluster-wide)
         ranks = outranked(
             standing_of(name, c.spec_pool, c.controller, c.estimates[0]) for name, c in self._classes.items()
         )
@@ -267,6 +271,7 @@ class RoutingState:
             while len(c.history) > 1 and c.history[1][0] <= now - cfg.window_s:
                 c.history.popleft()
             _, base_requests, base_drafted, base_accepted = c.history[0]
+            window[name] = requests - base_requests
             # Other replicas' totals move when one joins or leaves: a window never counts less than nothing.
             d_drafted = n_drafted - base_drafted
             d_accepted = max(0.0, min(d_drafted, n_accepted - base_accepted))
@@ -282,8 +287,9 @@ class RoutingState:
                 c.moved_at_requests = base_requests
             # the window's samples, or all since the last share change when that is more (a sparse class)
             since_move = max(requests - base_requests, requests - c.moved_at_requests)
-            obs = self._observation(
+            obs = observe_pools(
                 c,
+                self._speeds,
                 views.get(c.spec_pool),
                 views.get(c.std_pool),
                 samples=max(0, round(since_move)),
@@ -301,6 +307,10 @@ class RoutingState:
             elif c.controller.share != before:
                 self._step(name, before, c.controller)
             self._probe(name, c, now)
+        # A class without a controller is not counted: it carries traffic as far as anyone knows.
+        limits = visitor_limits(rules, lambda cls: window.get(cls, 1.0) > 0)
+        for c in self._classes.values():
+            c.visitor_limit = limits.get(c.away_pool)
         return out
 
     def _probe(self, name: str, c: ClassTrack, now: float) -> None:
@@ -312,93 +322,18 @@ class RoutingState:
         self.probe_share.labels(name).set(share)
         detail = "acceptance never measured and the speculative pool has headroom" if share > 0 else "probing stopped"
         change = ProbeChange(name, share, now, detail)
-        logger.info(
-            orjson.dumps(
-                {"event": "controller_probe", "class": name, "share": share, "at": now, "detail": detail}
-            ).decode()
-        )
-        if self._on_probe is not None:
+        if self._on_probe is not None:  # its owner records it (the audit log, one line): not logged twice
             self._on_probe(change)
-
-    def _observation(
-        self,
-        c: ClassTrack,
-        spec: PoolLoadView | None,
-        std: PoolLoadView | None,
-        *,
-        samples: int,
-        acceptance: float | None,
-        p95_s: float | None,
-        outranked_by: str | None = None,
-    ) -> Observation:
-        if spec is None or std is None:  # not scraped yet: unknown, never 0
-            c.estimates, c.speeds = (None, None), None
-            return Observation(
-                samples=samples, spec_delay_s=None, alt_delay_s=None, acceptance=acceptance, p95_s=p95_s, stale=True
-            )
-        spec_m, std_m = self._speeds.tpot(spec), self._speeds.tpot(std)
-        # An idle pool has no TPOT in the scrape window: its last measured one (an idle pool is not slower than it
-        # was under load), else the other candidate's (not rescaled: its acceptance is not this pool's), else the
-        # default.
-        spec_tpot, pool_rate = spec_m if spec_m is not None else (std_m[0] if std_m else DEFAULT_TPOT_S, None)
-        std_tpot = std_m[0] if std_m is not None else (spec_m[0] if spec_m else DEFAULT_TPOT_S)
-        rate, source = self._class_rate(c, acceptance)
-        cfg = c.controller.config
-        out, weight = cfg.output_tokens, cfg.load_impact
-        spec_slope, std_slope = self._speeds.slopes(spec.pool, std.pool, c.k)
-        spec_est = estimate(
-            spec, "speculative", spec_tpot, output_tokens=out, k=c.k, class_rate=rate, acceptance_source=source,
-            pool_rate=pool_rate, slope_s=spec_slope, impact_weight=weight,
-        )  # fmt: skip
-        std_est = estimate(std, "standard", std_tpot, output_tokens=out, slope_s=std_slope, impact_weight=weight)
-        c.estimates = (spec_est, std_est)
-        # built once a round and shared by every choice until the next
-        c.speeds = {e.pool: e.class_tpot_s for e in c.estimates if e is not None}
-        n = spec.fresh_endpoints
-        return Observation(
-            samples=samples,
-            spec_delay_s=None if spec_est is None else spec_est.cost_s,
-            alt_delay_s=None if std_est is None else std_est.cost_s,
-            spec_queue=None if spec.waiting is None or n == 0 else spec.waiting / n,
-            spec_batch=None if spec.running is None or n == 0 else spec.running / n,
-            acceptance=acceptance,
-            p95_s=p95_s,
-            stale=spec.stale or std.stale,
-            outranked_by=outranked_by,
-        )
-
-    @staticmethod
-    def _class_rate(c: ClassTrack, acceptance: float | None) -> tuple[float, AcceptanceSource]:
-        """The class's acceptance rate for its estimate: this window's, else its last measured, else the prior:
-        ``prior_acceptance`` when the YAML sets it, else that of the temperatures its requests actually carry
-        (a catch-all class of temperature-0.8 chat is not temperature-1.0 traffic), else its temperature band's."""
-        if acceptance is not None and math.isfinite(acceptance):
-            return acceptance, "measured"
-        last = c.controller.acceptance
-        if last is not None:
-            return last, "last measured"
-        if not c.prior_fixed and c.seen_acceptance is not None:
-            c.prior = rate_from_per_token(c.seen_acceptance, c.k)
-        return c.prior, "prior"
-
-    def _class_draft_counts(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Cumulative draft and accepted tokens per class, from the gateway's per-class counters (this process)."""
-        drafted: dict[str, float] = {}
-        accepted: dict[str, float] = {}
-        targets = {DRAFT_TOKENS + "_total": drafted, ACCEPTED_TOKENS + "_total": accepted}
-        for family in self._registry.restricted_registry(list(targets)).collect():
-            for sample in family.samples:
-                into = targets.get(sample.name)
-                cls = sample.labels.get("class")
-                if into is not None and cls is not None:
-                    into[cls] = into.get(cls, 0.0) + sample.value
-        return drafted, accepted
+            return
+        log_event(logger, "controller_probe", {"class": name, "share": share, "at": now, "detail": detail})
 
     def _record(self, t: Transition) -> None:
         self.transitions.labels(t.class_name, t.from_state, t.to_state, t.reason).inc()
         self._set_gauge(t.class_name, t.to_state, t.share)
+        if self._on_transition is not None:  # its owner records it (the audit log, one line): not logged twice
+            self._on_transition(t)
+            return
         line = {
-            "event": "controller_transition",
             "class": t.class_name,
             "from": t.from_state,
             "to": t.to_state,
@@ -407,23 +342,20 @@ class RoutingState:
             "at": t.at,
             "detail": t.detail,
         }
-        logger.info(orjson.dumps(line).decode())
-        if self._on_transition is not None:
-            self._on_transition(t)
+        log_event(logger, "controller_transition", line)
 
     def _step(self, class_name: str, before: float, controller: Controller) -> None:
         """A share step within ``split``: the share gauge and a log line (not a transition)."""
         self.share.labels(class_name).set(controller.share)
         snap = controller.snapshot()
         line = {
-            "event": "controller_step",
             "class": class_name,
             "share_from": before,
             "share": controller.share,
             "reason": snap.last_reason,
             "at": snap.share_since,
         }
-        logger.info(orjson.dumps(line).decode())
+        log_event(logger, "controller_step", line)
 
     def _set_gauge(self, class_name: str, state: RouteState, share: float) -> None:
         for s in STATES:
@@ -433,7 +365,7 @@ class RoutingState:
     # -- config ----------------------------------------------------------------------------------------------
 
     def _sync(self, now: float) -> None:
-        """Match the controllers to the current rules: a new or changed controller config (or home, or candidate
+        """Match the controllers to the current rules: a new or changed controller config (or home, or its two
         pools) gets a new controller that keeps the current share; a class that lost its controller or is gone is
         forgotten."""
         rules = self._rules()
@@ -441,7 +373,7 @@ class RoutingState:
         wanted: dict[str, tuple[ControllerConfig, str, str, PoolKind, TrafficClass]] = {}
         for cls in rules.classes:
             cfg = rules.controller_of(cls)
-            pair = rules.candidates(cls) if cfg is not None else None
+            pair = rules.controller_pools(cls) if cfg is not None else None
             if cfg is None or pair is None:
                 continue
             home: PoolKind = "speculative" if kinds.get(cls.route.preferred) == "speculative" else "standard"
@@ -477,12 +409,14 @@ class RoutingState:
                 controller, spec, std, now, k=k, prior=prior, requests=count, start_requests=count, prior_fixed=fixed,
                 seen_acceptance=None if old is None else old.seen_acceptance,
             )  # fmt: skip
+            # until a round has counted the traffic: every class at home there counts
+            self._classes[name].visitor_limit = visitor_limit(rules, self._classes[name].away_pool)
             self._set_gauge(name, controller.state, controller.share)
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
 
     def expected_s(self, name: str) -> tuple[tuple[str, float], ...]:
-        """(pool, expected completion seconds) of class ``name``'s candidates in the last scrape round (traces)."""
+        """(pool, expected completion seconds) of class ``name``'s two pools in the last scrape round (traces)."""
         c = self._classes.get(name)
         return () if c is None else tuple((e.pool, e.expected_s) for e in c.estimates if e is not None)
 
