@@ -11,7 +11,7 @@ gateway's spans use are written; a receiver ignores nothing it needs.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 # Span.kind
 INTERNAL = 1
@@ -66,40 +66,58 @@ def key_value(key: str, v: Value) -> bytes:
 
 
 class Encoder:
-    """Encodes attributes, with a bounded cache of those whose value repeats (strings and flags; numbers that
-    differ per request are encoded each time)."""
+    """Encodes attributes, with a bounded cache of what repeats from request to request: a block of attributes
+    whose values are the same for many requests (pool, class, model, plan, status, ...) is encoded once under a key
+    of those values (``block``); the few values that differ per request (ids, durations, token counts) are encoded
+    each time, on their key's cached prefix (``number``, ``string``)."""
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_keys")
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, type, object], bytes] = {}
+        self._cache: dict[object, bytes] = {}
+        self._keys: dict[str, bytes] = {}
 
-    def attr(self, key: str, v: str | bool) -> bytes:
-        """A repeating string or bool attribute, from the cache when seen before."""
-        k = (key, type(v), v)
-        got = self._cache.get(k)
+    def block(self, key: tuple[object, ...], items: Callable[[], Iterable[tuple[str, Value]]]) -> bytes:
+        """The attributes ``items()`` makes, encoded once per distinct ``key`` (which must determine them)."""
+        got = self._cache.get(key)
         if got is None:
             if len(self._cache) >= CACHE_MAX:
                 self._cache.clear()
-            got = self._cache[k] = key_value(key, v)
+            got = self._cache[key] = b"".join(key_value(k, v) for k, v in items())
         return got
 
     def name(self, name: str) -> bytes:
         """A span's ``name`` (5) field, from the cache when seen before."""
-        k = ("", str, name)  # no attribute has an empty key
-        got = self._cache.get(k)
+        got = self._cache.get(name)
         if got is None:
             if len(self._cache) >= CACHE_MAX:
                 self._cache.clear()
-            got = self._cache[k] = field(0x2A, name.encode())
+            got = self._cache[name] = field(0x2A, name.encode())
         return got
 
-    def attrs(self, items: Iterable[tuple[str, Value]]) -> bytes:
-        """Attributes of any value; strings and bools through the cache."""
-        out = []
-        for key, v in items:
-            out.append(self.attr(key, v) if isinstance(v, str | bool) else key_value(key, v))
-        return b"".join(out)
+    def _key(self, key: str) -> bytes:
+        got = self._keys.get(key)
+        if got is None:
+            got = self._keys[key] = field(0x0A, key.encode())  # a fixed set of attribute names: never cleared
+        return got
+
+    def number(self, key: str, v: int | float) -> bytes:
+        """An int or float attribute (``KeyValue`` as a span's ``attributes`` field)."""
+        if isinstance(v, float):  # a double is 9 bytes: the whole prefix is fixed per key
+            prefix = self._keys.get(key + "\x00d")
+            if prefix is None:
+                k = self._key(key)
+                prefix = self._keys[key + "\x00d"] = bytes((0x4A, len(k) + 11)) + k + b"\x12\x09\x21"
+            return prefix + _DOUBLE.pack(v)
+        k = self._key(key)
+        value = b"\x18" + varint(v)
+        body = k + bytes((0x12, len(value))) + value
+        return bytes((0x4A, len(body))) + body if len(body) < 0x80 else b"\x4a" + varint(len(body)) + body
+
+    def string(self, key: str, v: str) -> bytes:
+        """A string attribute that differs per request (an id)."""
+        body = self._key(key) + field(0x12, field(0x0A, v.encode()))
+        return bytes((0x4A, len(body))) + body if len(body) < 0x80 else b"\x4a" + varint(len(body)) + body
 
 
 def span(

@@ -68,6 +68,8 @@ _MAX_FINISH_REASONS = 16
 _TRACEPARENT = re.compile(r"^\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*$")
 _TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")  # bounded and printable; passed on as it came
 _MAX_ATTEMPTS_KEPT = 64
+_CONTROLLER_KEYS = ("specgate.controller.state", "specgate.controller.share", "specgate.controller.pick",
+                    "specgate.controller.why")  # fmt: skip
 
 
 class TracingUnavailable(RuntimeError):
@@ -334,58 +336,61 @@ class RequestTrace:
             opened.committed = True
             if outcome != "ok":
                 opened.error_type = outcome
-        attrs: list[tuple[str, Any]] = [
-            ("specgate.outcome", outcome),
-            ("specgate.pool", pool),
-            ("specgate.attempts", attempts),
-            ("specgate.fallback", fallback),
-            ("specgate.committed", opened is not None),
-        ]
-        if status:
-            attrs.append(("http.response.status_code", status))
-        if endpoint is not None:
-            attrs.append(("specgate.endpoint", endpoint))
-        if commit_s is not None:
-            attrs.append(("specgate.commit_s", float(commit_s)))
-        if accepted is not None and drafted is not None:
-            attrs += (("specgate.spec.accepted", accepted), ("specgate.spec.drafted", drafted))
-            if drafted > 0:
-                attrs.append(("specgate.acceptance", accepted / drafted))
-        if idempotency is not None:
-            attrs.append(("specgate.idempotency", idempotency))
-        if self._finish_reasons:
-            attrs.append(("gen_ai.response.finish_reasons", list(dict.fromkeys(self._finish_reasons))))
-        attrs += self._usage.items()
-        if outcome != "ok":
-            attrs.append(("error.type", outcome))
-        self._t.exporter.submit(self._spans(attrs, end_ns, failed))
+        enc = self._t.encoder
+        reasons = tuple(dict.fromkeys(self._finish_reasons)) if self._finish_reasons else ()
+        key = ("end", outcome, pool, attempts, fallback, opened is not None, status, endpoint, idempotency, reasons)
 
-    def _spans(self, finish_attrs: list[tuple[str, Any]], end_ns: int, failed: bool) -> list[bytes]:
-        """The request's spans, OTLP-encoded: server, admission, route, one per attempt."""
+        def items() -> list[tuple[str, Any]]:
+            a: list[tuple[str, Any]] = [
+                ("specgate.outcome", outcome),
+                ("specgate.pool", pool),
+                ("specgate.attempts", attempts),
+                ("specgate.fallback", fallback),
+                ("specgate.committed", opened is not None),
+            ]
+            if status:
+                a.append(("http.response.status_code", status))
+            if endpoint is not None:
+                a.append(("specgate.endpoint", endpoint))
+            if idempotency is not None:
+                a.append(("specgate.idempotency", idempotency))
+            if reasons:
+                a.append(("gen_ai.response.finish_reasons", list(reasons)))
+            if outcome != "ok":
+                a.append(("error.type", outcome))
+            return a
+
+        server = [enc.block(key, items), enc.string("specgate.request_id", self.request_id)]
+        if commit_s is not None:
+            server.append(enc.number("specgate.commit_s", float(commit_s)))
+        if accepted is not None and drafted is not None:
+            server += (enc.number("specgate.spec.accepted", accepted), enc.number("specgate.spec.drafted", drafted))
+            if drafted > 0:
+                server.append(enc.number("specgate.acceptance", accepted / drafted))
+        for k, v in self._usage.items():
+            server.append(enc.number(k, v))
+        self._t.exporter.submit(self._spans(server, end_ns, failed))
+
+    def _spans(self, server: list[bytes], end_ns: int, failed: bool) -> list[bytes]:
+        """The request's spans, OTLP-encoded: server, admission, route, one per attempt. ``server``: the server
+        span's attributes from the end of the request."""
         t = self._t
         enc = t.encoder
         tid = self._trace_id.to_bytes(16, "big")
         sid = self._server_id.to_bytes(8, "big")
         state = self._state.encode() if self._state else b""
         child_flags = wire.SPAN_FLAGS_HAS_IS_REMOTE | 1
-        attr = enc.attr
-        server = [
-            attr("http.request.method", self.method),
-            attr("url.path", self.path),
-            attr("gen_ai.operation.name", self.operation),
-            wire.key_value("specgate.request_id", self.request_id),
-        ]
-        if self._model is not None:
-            server.append(attr("gen_ai.request.model", self._model))
-        if self._temperature is not None:
-            server.append(wire.key_value("gen_ai.request.temperature", self._temperature))
-        if self._max_tokens is not None:
-            server.append(wire.key_value("gen_ai.request.max_tokens", self._max_tokens))
-        if self._stream is not None:
-            server.append(attr("specgate.stream", self._stream))
-        if self.traffic_class is not None:
-            server.append(attr("specgate.class", self.traffic_class))
-        server.append(enc.attrs(finish_attrs))
+        key = (
+            "server",
+            self.method,
+            self.path,
+            self._model,
+            self._temperature,
+            self._max_tokens,
+            self._stream,
+            self.traffic_class,
+        )
+        server.append(enc.block(key, self._server_items))
         flags = 1 | wire.SPAN_FLAGS_HAS_IS_REMOTE | (wire.SPAN_FLAGS_IS_REMOTE if self._parent_id else 0)
         name = enc.name(f"{self.method} {self.path}")
         spans = [
@@ -394,14 +399,17 @@ class RequestTrace:
         ]  # fmt: skip
         if self._admission is not None:
             adm_end, full, refused = self._admission
-            a: list[tuple[str, Any]] = []
-            if full:
-                a.append(("specgate.admission.full_pools", list(full)))
-            if refused is not None:
-                a.append(("specgate.admission.refused", refused))
+            attrs = b""
+            if full or refused is not None:
+
+                def admission() -> list[tuple[str, Any]]:
+                    a: list[tuple[str, Any]] = [("specgate.admission.full_pools", list(full))] if full else []
+                    return a if refused is None else [*a, ("specgate.admission.refused", refused)]
+
+                attrs = enc.block(("admission", full, refused), admission)
             spans.append(
                 wire.span(tid, t.span_id().to_bytes(8, "big"), sid, enc.name("specgate.admission"), wire.INTERNAL,
-                          self._start_ns, adm_end, enc.attrs(a), trace_state=state, flags=child_flags)
+                          self._start_ns, adm_end, attrs, trace_state=state, flags=child_flags)
             )  # fmt: skip
         if self._route is not None:
             spans.append(self._route_span(tid, sid, state, child_flags))
@@ -409,60 +417,85 @@ class RequestTrace:
             spans.append(self._attempt_span(at, tid, sid, state, child_flags, end_ns))
         return spans
 
+    def _server_items(self) -> list[tuple[str, Any]]:
+        """The server span's attributes known before the request ends (one ``Encoder.block``)."""
+        a: list[tuple[str, Any]] = [
+            ("http.request.method", self.method),
+            ("url.path", self.path),
+            ("gen_ai.operation.name", self.operation),
+        ]
+        if self._model is not None:
+            a.append(("gen_ai.request.model", self._model))
+        if self._temperature is not None:
+            a.append(("gen_ai.request.temperature", self._temperature))
+        if self._max_tokens is not None:
+            a.append(("gen_ai.request.max_tokens", self._max_tokens))
+        if self._stream is not None:
+            a.append(("specgate.stream", self._stream))
+        if self.traffic_class is not None:
+            a.append(("specgate.class", self.traffic_class))
+        return a
+
     def _route_span(self, tid: bytes, sid: bytes, state: bytes, flags: int) -> bytes:
         assert self._route is not None
         t = self._t
-        enc = t.encoder
         start_ns, end_ns, task_type, plan, reason, choice, expected = self._route
-        a: list[tuple[str, Any]] = [
-            ("specgate.class", self.traffic_class or ""),
-            ("specgate.plan", list(plan)),
-            ("specgate.route.reason", reason),
-        ]
-        if task_type is not None:
-            a.append(("specgate.task_type", task_type))
-        if choice is not None:
-            a += (
-                ("specgate.controller.state", str(choice.state)),
-                ("specgate.controller.share", float(choice.share)),
-                ("specgate.controller.pick", str(choice.pick)),
-                ("specgate.controller.why", str(choice.why)),
-            )
-        if expected:
-            a.append(("specgate.expected.pools", [p for p, _ in expected]))
-            a.append(("specgate.expected.seconds", [float(s) for _, s in expected]))
-        span_id = t.span_id().to_bytes(8, "big")
-        return wire.span(tid, span_id, sid, enc.name("specgate.route"), wire.INTERNAL, start_ns, end_ns,
-                         enc.attrs(a), trace_state=state, flags=flags)  # fmt: skip
+        cls = self.traffic_class or ""
+        facts = None if choice is None else (str(choice.state), float(choice.share), str(choice.pick), str(choice.why))
+
+        def items() -> list[tuple[str, Any]]:
+            a: list[tuple[str, Any]] = [
+                ("specgate.class", cls),
+                ("specgate.plan", list(plan)),
+                ("specgate.route.reason", reason),
+            ]
+            if task_type is not None:
+                a.append(("specgate.task_type", task_type))
+            if facts is not None:
+                a += zip(_CONTROLLER_KEYS, facts, strict=True)
+            if expected:
+                a.append(("specgate.expected.pools", [p for p, _ in expected]))
+                a.append(("specgate.expected.seconds", [float(s) for _, s in expected]))
+            return a
+
+        attrs = t.encoder.block(("route", cls, tuple(plan), reason, task_type, facts, tuple(expected)), items)
+        return wire.span(tid, t.span_id().to_bytes(8, "big"), sid, t.encoder.name("specgate.route"), wire.INTERNAL,
+                         start_ns, end_ns, attrs, trace_state=state, flags=flags)  # fmt: skip
 
     def _attempt_span(self, at: Attempt, tid: bytes, sid: bytes, state: bytes, flags: int, end_ns: int) -> bytes:
-        t = self._t
-        enc = t.encoder
-        parts = urlsplit(at.url)
-        a: list[tuple[str, Any]] = [
-            ("gen_ai.operation.name", self.operation),
-            ("server.address", parts.hostname or ""),
-            ("specgate.pool", at.pool),
-            ("specgate.pool.kind", at.kind),
-            ("specgate.endpoint", at.endpoint),
-            ("specgate.attempt", at.number),
-            ("specgate.committed", at.committed),
-        ]
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if port is not None:
-            a.append(("server.port", port))
-        if at.model is not None:
-            a.append(("gen_ai.request.model", at.model[:256]))
-        if at.status is not None:
-            a.append(("http.response.status_code", at.status))
-        if at.error_type is not None:
-            a.append(("error.type", at.error_type))
+        enc = self._t.encoder
+        operation = self.operation
+
+        def items() -> list[tuple[str, Any]]:
+            parts = urlsplit(at.url)
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            a: list[tuple[str, Any]] = [
+                ("gen_ai.operation.name", operation),
+                ("server.address", parts.hostname or ""),
+                ("specgate.pool", at.pool),
+                ("specgate.pool.kind", at.kind),
+                ("specgate.endpoint", at.endpoint),
+                ("specgate.attempt", at.number),
+                ("specgate.committed", at.committed),
+            ]
+            if port is not None:
+                a.append(("server.port", port))
+            if at.model is not None:
+                a.append(("gen_ai.request.model", at.model[:256]))
+            if at.status is not None:
+                a.append(("http.response.status_code", at.status))
+            if at.error_type is not None:
+                a.append(("error.type", at.error_type))
+            return a
+
+        key = ("attempt", operation, at.url, at.pool, at.kind, at.endpoint, at.number, at.committed, at.model,
+               at.status, at.error_type)  # fmt: skip
+        attrs = enc.block(key, items)
         if at.ttft_s is not None:
-            a.append(("specgate.ttft_s", float(at.ttft_s)))
-        failed = not at.committed
-        name = enc.name(f"{self.operation} {at.model}" if at.model else self.operation)
-        return wire.span(tid, at.span_id.to_bytes(8, "big"), sid, name, wire.CLIENT, at.start_ns,
-                         at.end_ns or end_ns, enc.attrs(a), error=failed, trace_state=state, flags=flags)  # fmt: skip
+            attrs += enc.number("specgate.ttft_s", float(at.ttft_s))
+        name = enc.name(f"{operation} {at.model}" if at.model else operation)
+        return wire.span(tid, at.span_id.to_bytes(8, "big"), sid, name, wire.CLIENT, at.start_ns, at.end_ns or end_ns,
+                         attrs, error=not at.committed, trace_state=state, flags=flags)  # fmt: skip

@@ -216,14 +216,17 @@ def test_export_queue_is_bounded() -> None:
 
 def test_encoder_writes_what_protobuf_reads() -> None:
     enc = otlp_wire.Encoder()
-    attrs = enc.attrs([("s", "x" * 300), ("b", False), ("i", -5), ("f", 1.5), ("l", ["a", "b"]), ("d", [0.5])])
+    items = [("s", "x" * 300), ("b", False), ("i", -5), ("f", 1.5), ("l", ["a", "b"]), ("d", [0.5])]
+    attrs = enc.block(("k",), lambda: items) + enc.number("n", 7) + enc.string("id", "y" * 200)
+    assert enc.block(("k",), list) == enc.block(("k",), lambda: items)  # cached under its key
     data = otlp_wire.request(
         otlp_wire.resource_fields([("service.name", "svc")], "specgate", "1"),
         [otlp_wire.span(b"\x01" * 16, b"\x02" * 8, None, enc.name("n"), otlp_wire.INTERNAL, 1, 2**63, attrs)],
     )
     (span,) = ExportTraceServiceRequest.FromString(data).resource_spans[0].scope_spans[0].spans
     assert span.name == "n" and span.end_time_unix_nano == 2**63 and not span.parent_span_id
-    assert _attrs(span) == {"s": "x" * 300, "b": False, "i": -5, "f": 1.5, "l": ["a", "b"], "d": [0.5]}
+    expect = {"s": "x" * 300, "b": False, "i": -5, "f": 1.5, "l": ["a", "b"], "d": [0.5], "n": 7, "id": "y" * 200}
+    assert _attrs(span) == expect
 
 
 def test_observe_reads_keys_never_text() -> None:
