@@ -28,7 +28,9 @@ def test_default_sampler_is_parent_based_ratio_one() -> None:
     assert (s.name, s.ratio, s.parent_based) == ("parentbased_traceidratio", 1.0, True)
     assert head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0.1"}).ratio == 0.1
     off = head_sampler({"OTEL_TRACES_SAMPLER": "always_off"})
-    assert not off.parent_based and not off.sampled(2**128 - 1, True) and not off.sampled(0, None)
+    assert not off.parent_based
+    assert not off.sampled(2**128 - 1, True)
+    assert not off.sampled(0, None)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +73,9 @@ def test_ratio_decision_agrees_with_the_sdk() -> None:
             assert ours.sampled(tid, None) is expect
             assert ours.sampled(tid, not expect) is expect  # not parent-based: the parent's flag is not read
     parent = head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0"})
-    assert parent.sampled(5, True) and not parent.sampled(5, False) and not parent.sampled(5, None)
+    assert parent.sampled(5, True)
+    assert not parent.sampled(5, False)
+    assert not parent.sampled(5, None)
 
 
 def _tracing(ratio: str, **env: str) -> tuple[Tracing, list[bytes]]:
@@ -162,29 +166,46 @@ def test_sampled_request_spans_read_back() -> None:
     spans = {s.name if s.kind != 3 else f"attempt {_attrs(s)['specgate.attempt']}": s for s in _exported(tracing, sent)}
     assert len(spans) == 5
     server = spans["POST /v1/chat/completions"]
-    assert server.kind == 2 and server.parent_span_id.hex() == client_span
+    assert server.kind == 2
+    assert server.parent_span_id.hex() == client_span
     assert server.trace_state == "vendor=1"
     assert server.flags & 0x300 == 0x300  # the parent is remote
     a = _attrs(server)
-    assert a["gen_ai.request.model"] == "m" and a["gen_ai.request.temperature"] == pytest.approx(0.2)
-    assert a["gen_ai.request.max_tokens"] == 10 and a["specgate.stream"] is True and a["specgate.class"] == "c"
-    assert a["specgate.fallback"] is True and a["specgate.attempts"] == 2 and a["specgate.pool"] == "b"
-    assert a["specgate.acceptance"] == pytest.approx(0.75) and a["specgate.commit_s"] == pytest.approx(0.02)
+    assert a["gen_ai.request.model"] == "m"
+    assert a["gen_ai.request.temperature"] == pytest.approx(0.2)
+    assert a["gen_ai.request.max_tokens"] == 10
+    assert a["specgate.stream"] is True
+    assert a["specgate.class"] == "c"
+    assert a["specgate.fallback"] is True
+    assert a["specgate.attempts"] == 2
+    assert a["specgate.pool"] == "b"
+    assert a["specgate.acceptance"] == pytest.approx(0.75)
+    assert a["specgate.commit_s"] == pytest.approx(0.02)
     assert a["gen_ai.response.finish_reasons"] == ["stop"]
-    assert a["gen_ai.usage.input_tokens"] == 3 and a["gen_ai.usage.output_tokens"] == 4
-    assert a["specgate.request_id"] == "rid" and a["http.response.status_code"] == 200
-    assert server.status.code == 0 and server.end_time_unix_nano >= server.start_time_unix_nano > 0
+    assert a["gen_ai.usage.input_tokens"] == 3
+    assert a["gen_ai.usage.output_tokens"] == 4
+    assert a["specgate.request_id"] == "rid"
+    assert a["http.response.status_code"] == 200
+    assert server.status.code == 0
+    assert server.end_time_unix_nano >= server.start_time_unix_nano > 0
     route = _attrs(spans["specgate.route"])
-    assert route["specgate.plan"] == ["a", "b"] and route["specgate.route.reason"] == "preferred"
+    assert route["specgate.plan"] == ["a", "b"]
+    assert route["specgate.route.reason"] == "preferred"
     first, second = spans["attempt 1"], spans["attempt 2"]
     for child in (spans["specgate.admission"], spans["specgate.route"], first, second):
-        assert child.parent_span_id == server.span_id and child.trace_id == server.trace_id
+        assert child.parent_span_id == server.span_id
+        assert child.trace_id == server.trace_id
         assert child.span_id != server.span_id
-    assert first.status.code == 2 and _attrs(first)["error.type"] == "status_5xx"
-    assert _attrs(first)["specgate.committed"] is False and _attrs(first)["http.response.status_code"] == 503
+    assert first.status.code == 2
+    assert _attrs(first)["error.type"] == "status_5xx"
+    assert _attrs(first)["specgate.committed"] is False
+    assert _attrs(first)["http.response.status_code"] == 503
     b = _attrs(second)
-    assert b["specgate.committed"] is True and b["server.address"] == "10.0.0.2" and b["server.port"] == 8000
-    assert b["specgate.ttft_s"] == pytest.approx(0.01) and second.status.code == 0
+    assert b["specgate.committed"] is True
+    assert b["server.address"] == "10.0.0.2"
+    assert b["server.port"] == 8000
+    assert b["specgate.ttft_s"] == pytest.approx(0.01)
+    assert second.status.code == 0
     assert second.name == "chat m"
 
 
@@ -196,11 +217,13 @@ def test_a_bad_traceparent_starts_a_new_trace() -> None:
         "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     ):
         trace = tracing.start("POST", "/v1/chat/completions", "rid", bad, "vendor=1")
-        assert trace.trace_id != "4bf92f3577b34da6a3ce929d0e0e4736" and int(trace.trace_id, 16) != 0
+        assert trace.trace_id != "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert int(trace.trace_id, 16) != 0
     unsampled = tracing.start(
         "POST", "/v1/chat/completions", "rid", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", None
     )
-    assert unsampled.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736" and not unsampled.sampled
+    assert unsampled.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert not unsampled.sampled
 
 
 def test_export_queue_is_bounded() -> None:
@@ -209,7 +232,8 @@ def test_export_queue_is_bounded() -> None:
     _request(tracing)
     _request(tracing)  # 4 + 4 spans queued
     _request(tracing)  # 12 > 10: dropped
-    assert tracing.exporter.queued == 8 and tracing.exporter.dropped == 4
+    assert tracing.exporter.queued == 8
+    assert tracing.exporter.dropped == 4
     assert len(_exported(tracing, sent)) == 8
     tracing.shutdown()
 
@@ -224,7 +248,9 @@ def test_encoder_writes_what_protobuf_reads() -> None:
         [otlp_wire.span(b"\x01" * 16, b"\x02" * 8, None, enc.name("n"), otlp_wire.INTERNAL, 1, 2**63, attrs)],
     )
     (span,) = ExportTraceServiceRequest.FromString(data).resource_spans[0].scope_spans[0].spans
-    assert span.name == "n" and span.end_time_unix_nano == 2**63 and not span.parent_span_id
+    assert span.name == "n"
+    assert span.end_time_unix_nano == 2**63
+    assert not span.parent_span_id
     expect = {"s": "x" * 300, "b": False, "i": -5, "f": 1.5, "l": ["a", "b"], "d": [0.5], "n": 7, "id": "y" * 200}
     assert _attrs(span) == expect
 
