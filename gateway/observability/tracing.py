@@ -64,6 +64,7 @@ _USAGE_KEY = {
     b"output_tokens": "gen_ai.usage.output_tokens",
 }
 _MAX_FINISH_REASONS = 16
+_USAGE_WINDOW = 512  # bytes after the "usage" key that hold its token counts
 # The W3C traceparent, as the OpenTelemetry propagator reads it (a future version may add fields after the flags).
 _TRACEPARENT = re.compile(r"^\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*$")
 _TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")  # bounded and printable; passed on as it came
@@ -304,8 +305,9 @@ class RequestTrace:
             for m in _FINISH.finditer(data):
                 if len(reasons) < _MAX_FINISH_REASONS:
                     reasons.append(m.group(1).decode())
-        if b"_tokens" in data:
-            for m in _USAGE.finditer(data):
+        at = data.rfind(b'"usage"')  # a quote inside a JSON string is escaped: only the key matches
+        if at >= 0:
+            for m in _USAGE.finditer(data, at, at + _USAGE_WINDOW):
                 self._usage[_USAGE_KEY[m.group(1)]] = int(m.group(2))
 
     def finish(
@@ -320,14 +322,14 @@ class RequestTrace:
         accepted: int | None,
         drafted: int | None,
         idempotency: str | None,
-    ) -> None:
+    ) -> bool:
         """The request ended (once, from ``RequestRecord.finish``): its spans are written and queued for export
-        when the head sample or the tail decision keeps them; otherwise nothing more happens."""
+        when the head sample or the tail decision keeps them (True); otherwise nothing more happens (False)."""
         end_ns = time.time_ns()
         failed = outcome in _FAILED
         fallback = attempts > 1 or (attempts == 1 and self._planned is not None and pool != self._planned)
         if not (self.sampled or failed or fallback):
-            return
+            return False
         if self._admission is None:  # refused before any attempt (or an idempotent replay: ok)
             self._admission = (end_ns, (), outcome if attempts == 0 and outcome != "ok" else None)
         opened = self._open
@@ -370,6 +372,7 @@ class RequestTrace:
         for k, v in self._usage.items():
             server.append(enc.number(k, v))
         self._t.exporter.submit(self._spans(server, end_ns, failed))
+        return True
 
     def _spans(self, server: list[bytes], end_ns: int, failed: bool) -> list[bytes]:
         """The request's spans, OTLP-encoded: server, admission, route, one per attempt. ``server``: the server
