@@ -113,16 +113,17 @@ class Tracing:
                     parent_sampled = bool(int(m.group(4), 16) & 1)
                     if tracestate is not None and _TRACESTATE.match(tracestate):
                         state = tracestate.strip()
-        while not trace_id:
-            trace_id = self.random.getrandbits(128)
-        sampled = self.sampler.sampled(trace_id, parent_sampled)
+        if not trace_id:
+            trace_id = self.random.getrandbits(128) or 1
+        h = self.sampler
+        if h.parent_based and parent_sampled is not None:
+            sampled = parent_sampled
+        else:
+            sampled = (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < h.bound
         return RequestTrace(self, method, path, request_id, trace_id, parent_id, state, sampled)
 
     def span_id(self) -> int:
-        span_id = 0
-        while not span_id:
-            span_id = self.random.getrandbits(64)
-        return span_id
+        return self.random.getrandbits(64) or 1
 
     def flush(self) -> None:
         """Send what is queued now (tests)."""
@@ -173,18 +174,15 @@ class RequestTrace:
         "_admission",
         "_attempts",
         "_finish_reasons",
-        "_max_tokens",
-        "_model",
         "_open",
+        "_params",
         "_parent_id",
         "_planned",
         "_route",
         "_server_id",
         "_start_ns",
         "_state",
-        "_stream",
         "_t",
-        "_temperature",
         "_trace_id",
         "_usage",
         "method",
@@ -216,29 +214,32 @@ class RequestTrace:
         self._parent_id = parent_id
         self._state = state
         self.sampled = sampled
-        self._server_id = t.span_id()
         self._admission: tuple[int, Sequence[str], str | None] | None = None
         self._route: tuple[Any, ...] | None = None
         self._attempts: list[Attempt] = []
         self._open: Attempt | None = None  # the attempt that answered (ended with the request)
         self._planned: str | None = None
-        self._finish_reasons: list[str] = []
-        self._usage: dict[str, int] = {}
-        self._model: str | None = None
-        self._temperature: float | None = None
-        self._max_tokens: int | None = None
-        self._stream: bool | None = None
+        self._finish_reasons: list[str] | None = None
+        self._usage: dict[str, int] | None = None
+        self._params: tuple[Any, Any, Any, bool] | None = None
         self.traffic_class: str | None = None
 
     def request(self, model: Any, temperature: Any, max_tokens: Any, stream: bool) -> None:
-        """The client's sampling parameters that the conventions name (never its messages)."""
-        if isinstance(model, str):
-            self._model = model[:256]
-        if isinstance(temperature, int | float) and not isinstance(temperature, bool):
-            self._temperature = float(temperature)
-        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-            self._max_tokens = max_tokens
-        self._stream = stream
+        """The client's sampling parameters that the conventions name (never its messages); checked when the
+        spans are written (``_server_items``)."""
+        self._params = (model, temperature, max_tokens, stream)
+
+    def _request_params(self) -> tuple[str | None, float | None, int | None, bool | None]:
+        """(model, temperature, max_tokens, stream) as the client sent them, when of the right type."""
+        if self._params is None:
+            return None, None, None, None
+        model, temperature, max_tokens, stream = self._params
+        return (
+            model[:256] if isinstance(model, str) else None,
+            float(temperature) if isinstance(temperature, int | float) and not isinstance(temperature, bool) else None,
+            max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None,
+            stream,
+        )
 
     def route(
         self,
@@ -249,10 +250,13 @@ class RequestTrace:
         plan: Sequence[str],
         reason: str,
         choice: Any = None,
-        expected: Sequence[tuple[str, float]] = (),
+        expected: Sequence[tuple[str, float]] | Callable[[str], Sequence[tuple[str, float]]] = (),
     ) -> None:
         """The routing decision, timed from ``start_ns`` to now. ``choice``: the class controller's answer
-        (``RouteChoice``) or None; ``expected``: (pool, expected completion seconds) of the last scrape round."""
+        (``RouteChoice``) or None; ``expected``: (pool, expected completion seconds) of the last scrape round, or
+        what gives them for the class (asked now only when the spans will be written: the head sample said so)."""
+        if callable(expected):
+            expected = expected(traffic_class) if self.sampled else expected
         self._route = (start_ns, time.time_ns(), task_type, plan, reason, choice, expected)
         self._planned = plan[0] if plan else None
         self.traffic_class = traffic_class
@@ -275,9 +279,10 @@ class RequestTrace:
         """An attempt leaves now: the admission span ends at the first one, the attempt's span starts, and its
         ``traceparent`` replaces the client's in ``headers`` (to the pool), so the pool's spans join below it.
         ``model``: the one asked of this pool when not the requested one (a class's fallback model)."""
-        self.admitted(full)
-        span_id = self._t.span_id()
-        attempt = Attempt(span_id, len(self._attempts) + 1, pool, kind, endpoint, url, model or self._model)
+        if self._admission is None:
+            self._admission = (time.time_ns(), tuple(full), None)
+        span_id = self._t.random.getrandbits(64) or 1
+        attempt = Attempt(span_id, len(self._attempts) + 1, pool, kind, endpoint, url, model)
         if len(self._attempts) < _MAX_ATTEMPTS_KEPT:
             self._attempts.append(attempt)
         headers["traceparent"] = f"00-{self.trace_id}-{span_id:016x}-{'01' if self.sampled else '00'}"
@@ -302,13 +307,18 @@ class RequestTrace:
         """Finish reasons and token usage in a piece of the pool's answer (a whole body, or stream events)."""
         if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
             reasons = self._finish_reasons
+            if reasons is None:
+                reasons = self._finish_reasons = []
             for m in _FINISH.finditer(data):
                 if len(reasons) < _MAX_FINISH_REASONS:
                     reasons.append(m.group(1).decode())
         at = data.rfind(b'"usage"')  # a quote inside a JSON string is escaped: only the key matches
         if at >= 0:
+            usage = self._usage
+            if usage is None:
+                usage = self._usage = {}
             for m in _USAGE.finditer(data, at, at + _USAGE_WINDOW):
-                self._usage[_USAGE_KEY[m.group(1)]] = int(m.group(2))
+                usage[_USAGE_KEY[m.group(1)]] = int(m.group(2))
 
     def finish(
         self,
@@ -369,7 +379,7 @@ class RequestTrace:
             server += (enc.number("specgate.spec.accepted", accepted), enc.number("specgate.spec.drafted", drafted))
             if drafted > 0:
                 server.append(enc.number("specgate.acceptance", accepted / drafted))
-        for k, v in self._usage.items():
+        for k, v in (self._usage or {}).items():
             server.append(enc.number(k, v))
         self._t.exporter.submit(self._spans(server, end_ns, failed))
         return True
@@ -380,20 +390,11 @@ class RequestTrace:
         t = self._t
         enc = t.encoder
         tid = self._trace_id.to_bytes(16, "big")
-        sid = self._server_id.to_bytes(8, "big")
+        sid = t.span_id().to_bytes(8, "big")
         state = self._state.encode() if self._state else b""
         child_flags = wire.SPAN_FLAGS_HAS_IS_REMOTE | 1
-        key = (
-            "server",
-            self.method,
-            self.path,
-            self._model,
-            self._temperature,
-            self._max_tokens,
-            self._stream,
-            self.traffic_class,
-        )
-        server.append(enc.block(key, self._server_items))
+        params = self._request_params()
+        server.append(enc.block(("server", self.method, self.path, params, self.traffic_class), self._server_items))
         flags = 1 | wire.SPAN_FLAGS_HAS_IS_REMOTE | (wire.SPAN_FLAGS_IS_REMOTE if self._parent_id else 0)
         name = enc.name(f"{self.method} {self.path}")
         spans = [
@@ -427,14 +428,15 @@ class RequestTrace:
             ("url.path", self.path),
             ("gen_ai.operation.name", self.operation),
         ]
-        if self._model is not None:
-            a.append(("gen_ai.request.model", self._model))
-        if self._temperature is not None:
-            a.append(("gen_ai.request.temperature", self._temperature))
-        if self._max_tokens is not None:
-            a.append(("gen_ai.request.max_tokens", self._max_tokens))
-        if self._stream is not None:
-            a.append(("specgate.stream", self._stream))
+        model, temperature, max_tokens, stream = self._request_params()
+        if model is not None:
+            a.append(("gen_ai.request.model", model))
+        if temperature is not None:
+            a.append(("gen_ai.request.temperature", temperature))
+        if max_tokens is not None:
+            a.append(("gen_ai.request.max_tokens", max_tokens))
+        if stream is not None:
+            a.append(("specgate.stream", stream))
         if self.traffic_class is not None:
             a.append(("specgate.class", self.traffic_class))
         return a
@@ -443,6 +445,8 @@ class RequestTrace:
         assert self._route is not None
         t = self._t
         start_ns, end_ns, task_type, plan, reason, choice, expected = self._route
+        if callable(expected):  # not asked when the request arrived (not head-sampled): the latest round's
+            expected = expected(self.traffic_class or "")
         cls = self.traffic_class or ""
         facts = None if choice is None else (str(choice.state), float(choice.share), str(choice.pick), str(choice.why))
 
@@ -468,6 +472,7 @@ class RequestTrace:
     def _attempt_span(self, at: Attempt, tid: bytes, sid: bytes, state: bytes, flags: int, end_ns: int) -> bytes:
         enc = self._t.encoder
         operation = self.operation
+        model = at.model or self._request_params()[0]
 
         def items() -> list[tuple[str, Any]]:
             parts = urlsplit(at.url)
@@ -486,19 +491,19 @@ class RequestTrace:
             ]
             if port is not None:
                 a.append(("server.port", port))
-            if at.model is not None:
-                a.append(("gen_ai.request.model", at.model[:256]))
+            if model is not None:
+                a.append(("gen_ai.request.model", model[:256]))
             if at.status is not None:
                 a.append(("http.response.status_code", at.status))
             if at.error_type is not None:
                 a.append(("error.type", at.error_type))
             return a
 
-        key = ("attempt", operation, at.url, at.pool, at.kind, at.endpoint, at.number, at.committed, at.model,
+        key = ("attempt", operation, at.url, at.pool, at.kind, at.endpoint, at.number, at.committed, model,
                at.status, at.error_type)  # fmt: skip
         attrs = enc.block(key, items)
         if at.ttft_s is not None:
             attrs += enc.number("specgate.ttft_s", float(at.ttft_s))
-        name = enc.name(f"{operation} {at.model}" if at.model else operation)
+        name = enc.name(f"{operation} {model}" if model else operation)
         return wire.span(tid, at.span_id.to_bytes(8, "big"), sid, name, wire.CLIENT, at.start_ns, at.end_ns or end_ns,
                          attrs, error=not at.committed, trace_state=state, flags=flags)  # fmt: skip

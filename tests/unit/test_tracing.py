@@ -21,6 +21,7 @@ from gateway.config.settings import Settings, SettingsError
 from gateway.observability import otlp_wire
 from gateway.observability.trace_export import ExportConfig, TracingConfigError, head_sampler
 from gateway.observability.tracing import Tracing
+from gateway.routing.class_track import RouteChoice
 
 
 def test_default_sampler_is_parent_based_ratio_one() -> None:
@@ -107,7 +108,16 @@ def _attrs(span: Any) -> dict[str, Any]:
 def _request(tracing: Tracing, *, fail: bool = False, fallback: bool = False, traceparent: str | None = None) -> str:
     trace = tracing.start("POST", "/v1/chat/completions", "rid", traceparent, "vendor=1" if traceparent else None)
     trace.request("m", 0.2, 10, True)
-    trace.route(0, traffic_class="c", task_type="chat", plan=("a", "b"), reason="preferred")
+    choice = RouteChoice(state="split", pick="speculative", share=0.25, why="probe")
+    trace.route(
+        0,
+        traffic_class="c",
+        task_type="chat",
+        plan=("a", "b"),
+        reason="preferred",
+        choice=choice,
+        expected=lambda cls: ((f"{cls}-a", 1.5), ("b", 2.0)),
+    )
     headers: dict[str, str] = {"tracestate": "client=1"}
     span = trace.send_attempt(headers, [], "a", "speculative", "a-0", "http://10.0.0.1:8000", None)
     assert headers["traceparent"].startswith(f"00-{trace.trace_id}-")
@@ -191,6 +201,10 @@ def test_sampled_request_spans_read_back() -> None:
     route = _attrs(spans["specgate.route"])
     assert route["specgate.plan"] == ["a", "b"]
     assert route["specgate.route.reason"] == "preferred"
+    assert route["specgate.controller.share"] == pytest.approx(0.25)
+    assert route["specgate.controller.why"] == "probe"
+    assert route["specgate.expected.pools"] == ["c-a", "b"]
+    assert route["specgate.expected.seconds"] == [1.5, 2.0]
     first, second = spans["attempt 1"], spans["attempt 2"]
     for child in (spans["specgate.admission"], spans["specgate.route"], first, second):
         assert child.parent_span_id == server.span_id
