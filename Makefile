@@ -12,6 +12,10 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	@# xds-protos (the epp extra) carries an old copy of opentelemetry/proto/*_pb2.py that can land over
+	@# opentelemetry-proto's own: put the real ones back (the simulator's OTLP exporter, the tests' receiver)
+	$(BIN)/pip install --disable-pip-version-check -q --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 ## Start the gateway on :8080 with two simulated vLLM pools (no GPU, no Redis).

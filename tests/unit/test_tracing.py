@@ -331,3 +331,28 @@ assert not loaded, loaded
         timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("ratio", ["0", "1"])
+def test_exemplars_name_exported_traces_only(ratio: str) -> None:
+    """A finished request's trace id is in its access log line either way, and an exemplar on the latency
+    histogram only when its trace is exported (a sampled request here; an unsampled ok one is not)."""
+    import io
+
+    import orjson
+
+    from gateway.observability.logs import AccessLog
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.proxy.record import RequestRecord
+
+    tracing, _ = _tracing(ratio)
+    metrics, out = GatewayMetrics(), io.BytesIO()
+    log = AccessLog(out)
+    rec = RequestRecord("rid", "/v1/chat/completions")
+    rec.trace = trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    rec.traffic_class, rec.pool, rec.status = "c", "a", 200
+    rec.finish("ok", metrics, log)
+    log.flush()
+    assert orjson.loads(out.getvalue().splitlines()[0])["trace_id"] == trace.trace_id
+    exposition = metrics.render(openmetrics=True).decode()
+    assert (f'trace_id="{trace.trace_id}"' in exposition) is (ratio == "1")
