@@ -313,7 +313,7 @@ class RequestTrace:
                 if len(reasons) < _MAX_FINISH_REASONS:
                     reasons.append(m.group(1).decode())
         at = data.rfind(b'"usage"')  # a quote inside a JSON string is escaped: only the key matches
-        if at >= 0:
+        if at >= 0 and data.find(b"_tokens", at, at + _USAGE_WINDOW) >= 0:  # not "usage":null
             usage = self._usage
             if usage is None:
                 usage = self._usage = {}
