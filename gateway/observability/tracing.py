@@ -13,12 +13,10 @@ starts a ``RequestTrace`` per proxied request, which the request path calls at a
     │   └── llm_request                   committed; vLLM's own span joins below it (the attempt's traceparent)
     └── chat <model>            CLIENT    the next attempt after a failure before the commit point
 
-How it stays cheap: while the request runs, ``RequestTrace`` only keeps timestamps and the values it was given in
-its slots (the trace and span ids are drawn at once, so the ``traceparent`` sent to a pool names the attempt's
-span that is written later). When the request ends, its spans are encoded straight to OTLP protobuf
-(``otlp_wire``) only if they are exported: the head sample said so, or the request failed or fell back (the tail
-decision, ``trace_export``); any other request builds no span at all. The encoded spans go to a queue that a thread
-sends in large batches.
+How it stays cheap: while the request runs, ``RequestTrace`` keeps timestamps and references in its slots (the ids
+are drawn at once, so a pool's ``traceparent`` names the attempt span written later); at the end its spans are
+encoded straight to OTLP protobuf (``otlp_wire``) only when exported (head sample or tail decision,
+``trace_export``), and a thread sends them in batches. Any other request builds no span at all.
 
 Attributes follow the OpenTelemetry GenAI conventions where they name the fact (``gen_ai.operation.name``,
 ``gen_ai.request.model``/``temperature``/``max_tokens``, ``gen_ai.response.finish_reasons``,
