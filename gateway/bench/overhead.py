@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -65,6 +65,8 @@ class OverheadRow:
     mode: str
     connections: int
     results: dict[str, WrkResult]
+    # With --tracing: each gateway process's CPU seconds per request (Linux /proc), over the interleaved rounds
+    cpu_us: dict[str, float] = field(default_factory=dict)
 
     def added_ms(self, target: str, pct: str = "p50") -> float:
         base, r = self.results["direct"], self.results[target]
@@ -218,6 +220,47 @@ def measure_ttft(port: int, body: bytes, duration_s: float) -> tuple[float, floa
     return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), or None where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _interleaved(
+    tool: str, urls: dict[str, str], work: Workload, connections: int, duration_s: int, pids: dict[str, int]
+) -> tuple[dict[str, WrkResult], dict[str, float]]:
+    """``urls``' targets measured in turn, one second each, ``duration_s`` rounds: a machine whose load drifts
+    (other work on the same cores) shifts them all alike, which one target after the other does not. Returns each
+    target's result (mean req/s, median p50 and p99) and CPU microseconds per request of its process."""
+    samples: dict[str, list[WrkResult]] = {t: [] for t in urls}
+    cpu: dict[str, float] = dict.fromkeys(urls, 0.0)
+    done: dict[str, float] = dict.fromkeys(urls, 0.0)
+    for url in urls.values():
+        run_tool(tool, url, work, connections, 1)  # warm
+    for _ in range(duration_s):
+        for target, url in urls.items():
+            before = _cpu_s(pids[target])
+            r = run_tool(tool, url, work, connections, 1)
+            after = _cpu_s(pids[target])
+            samples[target].append(r)
+            if before is not None and after is not None:
+                cpu[target] += after - before
+                done[target] += r.rps
+    results = {}
+    for target, rs in samples.items():
+        mid = len(rs) // 2
+        results[target] = WrkResult(
+            sum(r.rps for r in rs) / len(rs),
+            sorted(r.p50_s for r in rs)[mid],
+            sorted(r.p99_s for r in rs)[mid],
+            sum(r.errors for r in rs),
+        )
+    return results, {t: cpu[t] / done[t] * 1e6 for t in urls if done[t] > 0 and cpu[t] > 0}
+
+
 def bench_overhead(
     connections: list[int],
     duration_s: int,
@@ -228,8 +271,9 @@ def bench_overhead(
     epp: bool = True,
 ) -> tuple[list[OverheadRow], StreamCost]:
     """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``);
-    ``tracing``: the ``TRACED`` targets too; ``epp`` (where Envoy and the epp extra are here, ``epp_skipped``):
-    Envoy alone and Envoy + ``specgate epp``, non-streaming."""
+    ``tracing``: the ``TRACED`` targets too, measured interleaved with ``specgate`` (``_interleaved``); ``epp``
+    (where Envoy and the epp extra are here, ``epp_skipped``): Envoy alone and Envoy + ``specgate epp``,
+    non-streaming."""
     rows: list[OverheadRow] = []
     targets = (*TARGETS, *TRACED) if tracing else TARGETS
     with_epp = epp and epp_skipped() is None
@@ -275,7 +319,7 @@ def bench_overhead(
                 "--port",
                 str(ports["specgate"]),
             ]  # fmt: skip (no admin listener: 8081 may be taken)
-            stack.enter_context(_process(gw_cmd, ports["specgate"]))
+            pids = {"specgate": stack.enter_context(_process(gw_cmd, ports["specgate"])).pid}
             if tracing:
                 sink = free_port()
                 stack.enter_context(_process([py, "-m", "gateway.bench.otlp_sink", "--port", str(sink)], sink))
@@ -283,18 +327,24 @@ def bench_overhead(
                     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
                     env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
                     cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
-                    stack.enter_context(_process(cmd, ports[name], env))
+                    pids[name] = stack.enter_context(_process(cmd, ports[name], env)).pid
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             if with_epp:
                 urls.update(stack.enter_context(start_epp_targets(d, rules, up_url, _process)))
             for mode in ("json", "stream"):
                 for c in connections:
                     results: dict[str, WrkResult] = {}
-                    for target in (*targets, *EPP_TARGETS) if with_epp and mode == "json" else targets:
+                    base = TARGETS if not tracing else TARGETS[:-1]  # with tracing, specgate runs in turns below
+                    for target in (*base, *EPP_TARGETS) if with_epp and mode == "json" else base:
                         url = urls[target] + "/v1/chat/completions"
                         run_tool(tool, url, scripts[mode], c, 1)  # warm connection pools and caches
                         results[target] = run_tool(tool, url, scripts[mode], c, duration_s)
-                    rows.append(OverheadRow(mode, c, results))
+                    cpu: dict[str, float] = {}
+                    if tracing:  # specgate with and without tracing: in turns, and their CPU per request
+                        group = {t: urls[t] + "/v1/chat/completions" for t in ("specgate", *TRACED)}
+                        more, cpu = _interleaved(tool, group, scripts[mode], c, duration_s, pids)
+                        results.update(more)
+                    rows.append(OverheadRow(mode, c, results, cpu))
             ttft50: dict[str, float] = {}
             ttft99: dict[str, float] = {}
             short: dict[str, float] = {}
@@ -384,11 +434,15 @@ def _targets(rows: list[OverheadRow], streams: StreamCost | None) -> list[str]:
             v, m = r.results["specgate"].rps, r.results["minimal-aiohttp"].rps
             out.append(f"  non-streaming req/s, 32 connections: {v:.0f} [{m:.0f}] (target >= {TARGET_RPS_32}): "
                        f"{verdict(v >= TARGET_RPS_32)}")  # fmt: skip
+        if r.connections == 32 and r.results.get("specgate"):
+            v = r.results["specgate"].rps
             for name, least in TARGET_TRACED_RATIO.items():
-                if name in r.results and v:
+                if name in r.results:
                     ratio = r.results[name].rps / v
-                    out.append(f"  tracing on ({name}), req/s vs specgate at 32 connections: {ratio:.2f} "
-                               f"(target >= {least}): {verdict(ratio >= least)}")  # fmt: skip
+                    base_cpu, cpu = r.cpu_us.get("specgate"), r.cpu_us.get(name)
+                    cost = f"; CPU {cpu:.0f} vs {base_cpu:.0f} us/request" if cpu and base_cpu else ""
+                    out.append(f"  tracing on ({name}, {r.mode}), req/s vs specgate at 32 connections: {ratio:.2f} "
+                               f"(target >= {least}): {verdict(ratio >= least)}{cost}")  # fmt: skip
     if streams is not None:
         v, m = streams.added_ttft_ms("specgate"), streams.added_ttft_ms("minimal-aiohttp")
         out.append(f"  added TTFT p50: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_TTFT_MS} ms): "

@@ -1,60 +1,83 @@
-"""Where the gateway's spans go, and which ones: the OpenTelemetry SDK set up from the standard ``OTEL_*`` variables,
-with a tail decision that keeps failed and fallen-back requests whatever the head sample said.
+"""Where the gateway's spans go, and which ones: the head sampler and the OTLP/gRPC exporter, set up from the
+standard ``OTEL_*`` variables, with a tail decision that keeps failed and fallen-back requests whatever the head
+sample said.
 
-Imported only when tracing is on (``gateway.observability.tracing.Tracing``): this module imports OpenTelemetry.
+Imported only when tracing is on (``gateway.observability.tracing.Tracing``): this module imports grpc.
 
-Sampling. ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` choose the head sampler as the SDK would
-(``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_on``, ``parentbased_always_off``,
+Sampling. ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` choose the head sampler with the SDK's names and
+meaning (``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_on``, ``parentbased_always_off``,
 ``parentbased_traceidratio``); unset, it is ``parentbased_traceidratio`` with the ratio ``OTEL_TRACES_SAMPLER_ARG``
-(default 1.0): a client's sampled flag is followed, a new trace is kept with that chance.
+(default 1.0): a client's sampled flag is followed, a new trace is kept with that chance (decided on the trace id's
+low 64 bits, as the SDK's ``TraceIdRatioBased`` does, so every service sampling by ratio agrees).
 
-The tail decision (``KeepFailed`` + ``TailProcessor``): a span the head sampler drops is recorded anyway (not
-sampled: its ``traceparent`` says ``-00``, so the pools do not trace it), and held in memory until the request's
-server span ends. When that span says the request failed (status ERROR) or fell back (``specgate.fallback``), the
-held spans are exported as if sampled; otherwise they are dropped. The cost: every request builds its spans
-whatever the ratio (a few microseconds each), and the gateway's spans of a trace kept this way have no vLLM span
-below them (vLLM saw an unsampled ``traceparent``). At most ``MAX_HELD_TRACES`` traces are held; past it the
-oldest are dropped.
+The tail decision. A request records plain timestamps and values while it runs (``RequestTrace``), and its spans
+are encoded only when it ends: for a sampled request, or for one the head sampler dropped but that failed or fell
+back. Any other request builds no span at all; its ``traceparent`` to the pools says ``-00`` (not sampled), so the
+gateway's spans of a trace kept by the tail decision have no vLLM span below them.
+
+Export. ``Exporter`` queues the encoded spans and a thread sends them in batches (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
+spans, or whatever is queued every ``OTEL_BSP_SCHEDULE_DELAY`` ms) as OTLP/gRPC ``TraceService/Export`` to
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``; past ``OTEL_BSP_MAX_QUEUE_SIZE`` queued
+spans a request's spans are dropped (counted, logged). The thread wakes only for a full batch or the schedule.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
-from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import (
-    ALWAYS_OFF,
-    ALWAYS_ON,
-    Decision,
-    ParentBased,
-    Sampler,
-    SamplingResult,
-    TraceIdRatioBased,
-)
-from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
-from opentelemetry.trace.status import StatusCode
-from opentelemetry.util.types import Attributes
+from gateway.observability import otlp_wire
 
-FALLBACK_ATTR = "specgate.fallback"
-MAX_HELD_TRACES = 10_000  # unsampled traces waiting for their server span's end (the tail decision)
+log = logging.getLogger(__name__)
+
 DEFAULT_SERVICE_NAME = "specgate"
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+_RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED"})
+_LOG_EVERY_S = 60.0  # at most one warning a minute about failed or dropped exports
 
 
 class TracingConfigError(ValueError):
-    """An ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` the gateway cannot use; the message names it."""
+    """An ``OTEL_*`` variable the gateway cannot use; the message names it."""
 
 
-def head_sampler(env: Mapping[str, str]) -> Sampler:
+@dataclass(frozen=True, slots=True)
+class HeadSampler:
+    """The head decision: ``parent_based`` follows a client's sampled flag; a new trace (or any trace, when not
+    parent-based) is sampled when its id's low 64 bits are below ``bound`` (``ratio`` × 2^64)."""
+
+    name: str
+    ratio: float
+    parent_based: bool
+    bound: int
+
+    def sampled(self, trace_id: int, parent_sampled: bool | None) -> bool:
+        if self.parent_based and parent_sampled is not None:
+            return parent_sampled
+        return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < self.bound
+
+    def description(self) -> str:
+        return f"{self.name}{{{self.ratio}}}"
+
+
+def head_sampler(env: Mapping[str, str]) -> HeadSampler:
     """The head sampler the ``OTEL_TRACES_SAMPLER*`` variables ask for (default: parent-based, ratio 1.0)."""
     name = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_traceidratio").strip().lower()
     raw = (env.get("OTEL_TRACES_SAMPLER_ARG") or "").strip()
+    if name not in _SAMPLERS:
+        raise TracingConfigError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {', '.join(_SAMPLERS)}")
     ratio = 1.0
     if raw and name.endswith("traceidratio"):
         try:
@@ -63,126 +86,207 @@ def head_sampler(env: Mapping[str, str]) -> Sampler:
             raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={raw!r}: expected a ratio in 0..1") from None
         if not 0.0 <= ratio <= 1.0:
             raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={raw!r}: expected a ratio in 0..1")
-    samplers: dict[str, Sampler] = {
-        "always_on": ALWAYS_ON,
-        "always_off": ALWAYS_OFF,
-        "traceidratio": TraceIdRatioBased(ratio),
-        "parentbased_always_on": ParentBased(ALWAYS_ON),
-        "parentbased_always_off": ParentBased(ALWAYS_OFF),
-        "parentbased_traceidratio": ParentBased(TraceIdRatioBased(ratio)),
-    }
-    if name not in samplers:
-        raise TracingConfigError(f"OTEL_TRACES_SAMPLER={name!r}: expected one of {', '.join(samplers)}")
-    return samplers[name]
+    if name.endswith("always_on"):
+        ratio = 1.0
+    elif name.endswith("always_off"):
+        ratio = 0.0
+    return HeadSampler(name, ratio, name.startswith("parentbased_"), round(ratio * (1 << 64)))
 
 
-class KeepFailed(Sampler):
-    """The head sampler's decision, except that a dropped span is recorded (not sampled) for the tail decision."""
-
-    def __init__(self, head: Sampler) -> None:
-        self.head = head
-
-    def should_sample(
-        self,
-        parent_context: Context | None,
-        trace_id: int,
-        name: str,
-        kind: SpanKind | None = None,
-        attributes: Attributes = None,
-        links: Sequence[Link] | None = None,
-        trace_state: Any = None,
-    ) -> SamplingResult:
-        result = self.head.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
-        if result.decision is Decision.DROP:  # a dropped span's result has no attributes: the span's own ones
-            return SamplingResult(Decision.RECORD_ONLY, attributes, result.trace_state)
-        return result
-
-    def get_description(self) -> str:
-        return f"KeepFailed{{{self.head.get_description()}}}"
+def _env(env: Mapping[str, str], name: str) -> str | None:
+    """``OTEL_EXPORTER_OTLP_TRACES_<name>``, else ``OTEL_EXPORTER_OTLP_<name>``."""
+    return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}") or env.get(f"OTEL_EXPORTER_OTLP_{name}") or None
 
 
-def _sampled(span: ReadableSpan) -> ReadableSpan:
-    """The same span with the sampled flag set: exporters send only sampled spans."""
-    ctx = span.context
-    assert ctx is not None
-    flagged = SpanContext(ctx.trace_id, ctx.span_id, False, TraceFlags(TraceFlags.SAMPLED), ctx.trace_state)
-    return ReadableSpan(
-        name=span.name,
-        context=flagged,
-        parent=span.parent,
-        resource=span.resource,
-        attributes=span.attributes,
-        events=span.events,
-        links=span.links,
-        kind=span.kind,
-        status=span.status,
-        start_time=span.start_time,
-        end_time=span.end_time,
-        instrumentation_scope=span.instrumentation_scope,
-    )
+def _number(env: Mapping[str, str], name: str, default: float, least: float, most: float) -> float:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise TracingConfigError(f"{name}={raw!r}: expected a number") from None
+    if not least <= value <= most:
+        raise TracingConfigError(f"{name}={raw!r}: expected {least:g}..{most:g}")
+    return value
 
 
-class TailProcessor(SpanProcessor):
-    """Sampled spans go straight to ``inner``; recorded-only ones wait for their local root span (the request's
-    server span) and go to ``inner`` only when it failed or fell back (module docstring)."""
+@dataclass(frozen=True, slots=True)
+class ExportConfig:
+    """The exporter's settings, read from the environment the way the SDK's OTLP/gRPC exporter reads them."""
 
-    def __init__(self, inner: SpanProcessor, max_held: int = MAX_HELD_TRACES) -> None:
-        self.inner = inner
-        self.max_held = max_held
-        self._held: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
-        self._lock = threading.Lock()
+    target: str  # host:port
+    secure: bool
+    certificate: str | None
+    headers: tuple[tuple[str, str], ...]
+    timeout_s: float
+    gzip: bool
+    schedule_delay_s: float
+    batch_spans: int
+    queue_spans: int
+    resource: tuple[tuple[str, str], ...]
 
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ExportConfig:
+        endpoint = _env(env, "ENDPOINT") or "http://localhost:4317"
+        parts = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
+        if not parts.hostname:
+            raise TracingConfigError(f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r}: expected http(s)://host:port")
+        insecure = (_env(env, "INSECURE") or "").strip().lower() == "true"
+        secure = parts.scheme == "https" or (parts.scheme not in ("http", "https") and not insecure)
+        headers = []
+        for item in (_env(env, "HEADERS") or "").split(","):
+            key, sep, value = item.partition("=")
+            if sep and key.strip():
+                headers.append((unquote(key.strip()).lower(), unquote(value.strip())))
+        compression = (_env(env, "COMPRESSION") or "none").strip().lower()
+        if compression not in ("none", "gzip"):
+            raise TracingConfigError(f"OTEL_EXPORTER_OTLP_COMPRESSION={compression!r}: expected none or gzip")
+        timeout = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10.0, 0.001, 600.0)  # seconds, as the SDK reads it
+        if env.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"):
+            timeout = _number(env, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", 10.0, 0.001, 600.0)
+        batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 2048, 1, 65536))
+        queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 16384, 1, 1_048_576))
+        resource: dict[str, str] = {}
+        for item in (env.get("OTEL_RESOURCE_ATTRIBUTES") or "").split(","):
+            key, sep, value = item.partition("=")
+            if sep and key.strip():
+                resource[unquote(key.strip())] = unquote(value.strip())
+        resource["service.name"] = env.get("OTEL_SERVICE_NAME") or resource.get("service.name", DEFAULT_SERVICE_NAME)
+        resource.update({"telemetry.sdk.language": "python", "telemetry.sdk.name": "specgate"})
+        return cls(
+            target=f"{parts.hostname}:{parts.port or 4317}",
+            secure=secure,
+            certificate=_env(env, "CERTIFICATE"),
+            headers=tuple(headers),
+            timeout_s=timeout,
+            gzip=compression == "gzip",
+            schedule_delay_s=_number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000, 1, 3_600_000) / 1000,
+            batch_spans=min(batch, queue),
+            queue_spans=queue,
+            resource=tuple(resource.items()),
+        )
 
-    def on_end(self, span: ReadableSpan) -> None:
-        ctx = span.context
-        if ctx is None:
-            return
-        if ctx.trace_flags.sampled:
-            self.inner.on_end(span)
-            return
-        parent = span.parent
-        if parent is not None and not parent.is_remote:  # a child: held until the root decides
-            with self._lock:
-                held = self._held.get(ctx.trace_id)
-                if held is None:
-                    held = self._held[ctx.trace_id] = []
-                    while len(self._held) > self.max_held:
-                        self._held.popitem(last=False)
-                held.append(span)
-            return
-        with self._lock:
-            children = self._held.pop(ctx.trace_id, [])
-        attrs = span.attributes or {}
-        if span.status.status_code is StatusCode.ERROR or attrs.get(FALLBACK_ATTR) is True:
-            for s in (*children, span):
-                self.inner.on_end(_sampled(s))
 
-    @property
-    def held(self) -> int:
-        """Traces waiting for their tail decision (tests, memory)."""
-        return len(self._held)
+def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[], None]]:
+    """(send one encoded ExportTraceServiceRequest, close the channel): a plain gRPC unary call that carries
+    bytes as they are; failures the receiver may recover from are tried again within the timeout."""
+    import grpc
+
+    if cfg.secure:
+        root = None
+        if cfg.certificate:
+            with open(cfg.certificate, "rb") as f:
+                root = f.read()
+        channel = grpc.secure_channel(cfg.target, grpc.ssl_channel_credentials(root))
+    else:
+        channel = grpc.insecure_channel(cfg.target)
+    call = channel.unary_unary(EXPORT_METHOD)
+    compression = grpc.Compression.Gzip if cfg.gzip else None
+
+    def send(data: bytes) -> None:
+        deadline = time.monotonic() + cfg.timeout_s
+        backoff = 0.5
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                call(data, timeout=max(left, 0.001), metadata=cfg.headers or None, compression=compression)
+                return
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if getattr(code, "name", "") not in _RETRYABLE or left <= backoff:
+                    raise
+            time.sleep(backoff)
+            backoff *= 2
+
+    return send, channel.close
+
+
+class Exporter:
+    """The queue of encoded spans and the thread that sends them (module docstring). ``send`` replaces gRPC
+    (tests). ``submit`` is called from the event loop; it never blocks on the network."""
+
+    def __init__(self, cfg: ExportConfig, send: Callable[[bytes], None] | None = None) -> None:
+        self.cfg = cfg
+        self._close: Callable[[], None] = lambda: None
+        if send is None:
+            send, self._close = grpc_sender(cfg)
+        self._send = send
+        self._fixed = otlp_wire.resource_fields(cfg.resource, "specgate", "1")
+        self._queue: deque[list[bytes]] = deque()
+        self._queued = 0  # spans in the queue
+        self._cond = threading.Condition(threading.Lock())
+        self._stopping = False
+        self.dropped = 0  # spans dropped: the queue was full, or an export failed
+        self.exported = 0
+        self._last_warning = 0.0
+        self._thread = threading.Thread(target=self._run, name="specgate-trace-export", daemon=True)
+        self._thread.start()
+
+    def submit(self, spans: list[bytes]) -> None:
+        """One request's encoded spans (``otlp_wire.span``)."""
+        n = len(spans)
+        with self._cond:
+            if self._queued + n > self.cfg.queue_spans or self._stopping:
+                self.dropped += n
+                return
+            self._queue.append(spans)
+            self._queued += n
+            if self._queued >= self.cfg.batch_spans and self._queued - n < self.cfg.batch_spans:
+                self._cond.notify()
+
+    def _take(self) -> list[bytes]:
+        """Up to one batch of spans off the queue (whole requests), the lock held."""
+        out: list[bytes] = []
+        queue = self._queue
+        while queue and (not out or len(out) + len(queue[0]) <= self.cfg.batch_spans):
+            out += queue.popleft()
+        self._queued -= len(out)
+        return out
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        while True:
+            with self._cond:
+                if self._queued < cfg.batch_spans and not self._stopping:
+                    self._cond.wait(cfg.schedule_delay_s)
+                batch = self._take()
+                stopping = self._stopping and not self._queue
+            if batch:
+                self._export(batch)
+            if stopping:
+                return
+
+    def _export(self, batch: list[bytes]) -> None:
+        try:
+            self._send(otlp_wire.request(self._fixed, batch))
+            self.exported += len(batch)
+        except Exception as exc:  # a collector away or refusing: the batch is lost, the gateway goes on
+            self.dropped += len(batch)
+            now = time.monotonic()
+            if now - self._last_warning >= _LOG_EVERY_S:
+                self._last_warning = now
+                target, dropped = self.cfg.target, self.dropped
+                log.warning("trace export to %s failed (%d spans dropped so far): %s", target, dropped, exc)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Send everything queued now (tests, shutdown), from the calling thread."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cond:
+                batch = self._take()
+            if not batch:
+                return
+            self._export(batch)
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        """Send what is queued (bounded by the exporter's timeout per batch), stop the thread, close the channel."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(self.cfg.timeout_s + 1)
+        self._close()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
-
-
-def build_provider(env: Mapping[str, str] | None = None, exporter: SpanExporter | None = None) -> TracerProvider:
-    """A private tracer provider (never the process-global one): the sampler of ``env``, a resource whose
-    ``service.name`` is ``OTEL_SERVICE_NAME`` (default ``specgate``), and a batch exporter, OTLP over gRPC to
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) unless ``exporter`` is given.
-    Raises ``TracingConfigError``."""
-    environ = os.environ if env is None else env
-    sampler = KeepFailed(head_sampler(environ))
-    attrs = {} if environ.get("OTEL_SERVICE_NAME") else {"service.name": DEFAULT_SERVICE_NAME}
-    provider = TracerProvider(sampler=sampler, resource=Resource.create(attrs))
-    if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()
-    provider.add_span_processor(TailProcessor(BatchSpanProcessor(exporter)))
-    return provider
+    @property
+    def queued(self) -> int:
+        return self._queued

@@ -284,7 +284,7 @@ def trace_decision(
         plan=plan.pools,
         reason=plan.reason,
         choice=d.choice,
-        expected=rt.routing.expected_s(d.traffic_class) if d.choice is not None else (),
+        expected=rt.routing.expected_s if d.choice is not None else (),  # asked only of a trace that is written
     )
 
 

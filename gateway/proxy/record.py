@@ -92,7 +92,7 @@ class RequestRecord:
         spec = self.spec
         trace = self.trace
         if trace is not None:
-            trace.finish(
+            exported = trace.finish(
                 status=self.status,
                 outcome=outcome,
                 pool=pool,
@@ -103,7 +103,8 @@ class RequestRecord:
                 drafted=None if spec is None else spec.drafted,
                 idempotency=self.idempotency,
             )
-            metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead, trace.trace_id)
+            # an exemplar only names a trace that is exported (a link to a dropped one would lead nowhere)
+            metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead, trace.trace_id if exported else None)
         else:
             metrics.observe_request(cls, pool, outcome, e2e, ttft, overhead)
         if self.route_reason is not None:

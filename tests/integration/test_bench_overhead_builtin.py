@@ -7,9 +7,12 @@ import asyncio
 import math
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from gateway.bench.closed_loop import drive
-from gateway.bench.overhead import TARGETS, bench_overhead, epp_skipped, render
+from gateway.bench.overhead import TARGETS, TRACED, bench_overhead, epp_skipped, render
 from gateway.bench.overhead_epp import EPP_TARGETS
 from gateway.sim.launch import free_port, wait_for_port
 
@@ -48,3 +51,19 @@ def test_bench_overhead_runs_end_to_end_with_the_builtin_tool() -> None:
     assert "added p50, 1 connection" in text
     assert ("EPP added p50, 1 connection" in text) if skipped is None else ("not measured: " + skipped in text)
     assert "added TTFT p50" in text
+
+
+def test_bench_overhead_with_tracing_measures_the_traced_gateways_in_turns() -> None:
+    pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.proto")
+    rows, _streams = bench_overhead([32], 1, prompt_chars=200, tool="builtin", tracing=True, epp=False)
+    for row in rows:
+        assert set(row.results) == {*TARGETS, *TRACED}
+        for target in ("specgate", *TRACED):
+            assert row.results[target].errors == 0, target
+            assert row.results[target].rps > 0, target
+            if Path("/proc/self/stat").exists():
+                assert row.cpu_us[target] > 0, target
+    text = render(rows)
+    assert "tracing on (specgate-trace100, json)" in text
+    assert "tracing on (specgate-trace10, stream)" in text

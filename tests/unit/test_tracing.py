@@ -1,36 +1,37 @@
-"""The tracing module on its own: the sampler the OTEL_* variables ask for, the tail decision (failed and
-fallen-back requests exported whatever the head sample said, the others dropped, the held spans bounded), what is
-read from a pool's answer (never text), and that a gateway with tracing off imports nothing of OpenTelemetry."""
+"""The tracing module on its own: the sampler the OTEL_* variables ask for (agreeing with the SDK's), the tail
+decision (failed and fallen-back requests exported whatever the head sample said, the others not even encoded), the
+OTLP bytes (read back with the protobuf classes), the bounded export queue, what is read from a pool's answer (never
+text), and that a gateway with tracing off imports nothing of OpenTelemetry."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import Decision
+pytest.importorskip("grpc")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
 
 from gateway.config.settings import Settings, SettingsError
-from gateway.observability.trace_export import (
-    KeepFailed,
-    TailProcessor,
-    TracingConfigError,
-    build_provider,
-    head_sampler,
-)
+from gateway.observability import otlp_wire
+from gateway.observability.trace_export import ExportConfig, TracingConfigError, head_sampler
 from gateway.observability.tracing import Tracing
+from gateway.routing.class_track import RouteChoice
 
 
 def test_default_sampler_is_parent_based_ratio_one() -> None:
     s = head_sampler({})
-    assert s.get_description().startswith("ParentBased{root:TraceIdRatioBased{1.0},remoteParentSampled:AlwaysOn")
-    assert "0.1" in head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0.1"}).get_description()
-    assert head_sampler({"OTEL_TRACES_SAMPLER": "always_off"}).get_description() == "AlwaysOffSampler"
+    assert (s.name, s.ratio, s.parent_based) == ("parentbased_traceidratio", 1.0, True)
+    assert head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0.1"}).ratio == 0.1
+    off = head_sampler({"OTEL_TRACES_SAMPLER": "always_off"})
+    assert not off.parent_based
+    assert not off.sampled(2**128 - 1, True)
+    assert not off.sampled(0, None)
 
 
 @pytest.mark.parametrize(
@@ -47,39 +48,93 @@ def test_bad_sampler_variables_are_refused(env: dict[str, str]) -> None:
         head_sampler(env)
 
 
-def test_a_dropped_span_is_recorded_with_its_attributes() -> None:
-    sampler = KeepFailed(head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0"}))
-    result = sampler.should_sample(None, 1234, "x", attributes={"a": 1})
-    assert result.decision is Decision.RECORD_ONLY
-    assert dict(result.attributes or {}) == {"a": 1}
-    kept = KeepFailed(head_sampler({})).should_sample(None, 1234, "x")
-    assert kept.decision is Decision.RECORD_AND_SAMPLE
+def test_bad_exporter_variables_are_refused() -> None:
+    with pytest.raises(TracingConfigError, match="OTEL_BSP_SCHEDULE_DELAY"):
+        ExportConfig.from_env({"OTEL_BSP_SCHEDULE_DELAY": "soon"})
+    with pytest.raises(TracingConfigError, match="COMPRESSION"):
+        ExportConfig.from_env({"OTEL_EXPORTER_OTLP_COMPRESSION": "zstd"})
+    cfg = ExportConfig.from_env(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_HEADERS": "X-Key=a%20b"}
+    )
+    assert (cfg.target, cfg.secure, cfg.headers) == ("collector:4318", False, (("x-key", "a b"),))
 
 
-def _tracing(ratio: str) -> tuple[Tracing, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing = Tracing({"OTEL_TRACES_SAMPLER_ARG": ratio}, exporter=exporter)
-    # build_provider batches; swap in a synchronous processor with the same tail decision for the test
-    processor = tracing.provider._active_span_processor._span_processors[0]
-    assert isinstance(processor, TailProcessor)
-    processor.inner = SimpleSpanProcessor(exporter)
-    return tracing, exporter
+def test_ratio_decision_agrees_with_the_sdk() -> None:
+    """The same trace ids are sampled as by the SDK's TraceIdRatioBased, so services sampling by ratio agree;
+    a parent's flag is followed by the parent-based samplers only."""
+    import random
+
+    rng = random.Random(7)
+    for ratio in (0.0, 0.1, 0.5, 1.0):
+        ours = head_sampler({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(ratio)})
+        sdk = TraceIdRatioBased(ratio)
+        for _ in range(500):
+            tid = rng.getrandbits(128) or 1
+            expect = sdk.should_sample(None, tid, "x").decision is Decision.RECORD_AND_SAMPLE
+            assert ours.sampled(tid, None) is expect
+            assert ours.sampled(tid, not expect) is expect  # not parent-based: the parent's flag is not read
+    parent = head_sampler({"OTEL_TRACES_SAMPLER_ARG": "0"})
+    assert parent.sampled(5, True)
+    assert not parent.sampled(5, False)
+    assert not parent.sampled(5, None)
 
 
-def _request(tracing: Tracing, *, fail: bool = False, fallback: bool = False) -> str:
-    trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+def _tracing(ratio: str, **env: str) -> tuple[Tracing, list[bytes]]:
+    sent: list[bytes] = []
+    return Tracing({"OTEL_TRACES_SAMPLER_ARG": ratio, **env}, send=sent.append), sent
+
+
+def _exported(tracing: Tracing, sent: list[bytes]) -> list[Any]:
+    tracing.flush()
+    spans = []
+    for data in sent:
+        req = ExportTraceServiceRequest.FromString(data)
+        for rs in req.resource_spans:
+            assert any(a.key == "service.name" and a.value.string_value == "specgate" for a in rs.resource.attributes)
+            for ss in rs.scope_spans:
+                assert ss.scope.name == "specgate"
+                spans.extend(ss.spans)
+    return spans
+
+
+def _attrs(span: Any) -> dict[str, Any]:
+    def value(v: Any) -> Any:
+        kind = v.WhichOneof("value")
+        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
+    return {a.key: value(a.value) for a in span.attributes}
+
+
+def _request(tracing: Tracing, *, fail: bool = False, fallback: bool = False, traceparent: str | None = None) -> str:
+    trace = tracing.start("POST", "/v1/chat/completions", "rid", traceparent, "vendor=1" if traceparent else None)
     trace.request("m", 0.2, 10, True)
-    trace.route(0, traffic_class="c", task_type="chat", plan=("a", "b"), reason="preferred")
+    choice = RouteChoice(state="split", pick="speculative", share=0.25, why="probe")
+    trace.route(
+        0,
+        traffic_class="c",
+        task_type="chat",
+        plan=("a", "b"),
+        reason="preferred",
+        choice=choice,
+        expected=lambda cls: ((f"{cls}-a", 1.5), ("b", 2.0)),
+    )
     headers: dict[str, str] = {"tracestate": "client=1"}
     span = trace.send_attempt(headers, [], "a", "speculative", "a-0", "http://10.0.0.1:8000", None)
     assert headers["traceparent"].startswith(f"00-{trace.trace_id}-")
-    assert "tracestate" not in headers  # the client's state is not the attempt's
+    assert headers["traceparent"].endswith("-01" if trace.sampled else "-00")
+    if traceparent is None:
+        assert "tracestate" not in headers  # the client's state is not the attempt's
+    else:
+        assert headers["tracestate"] == "vendor=1"  # the state of the client's trace, carried on
     pool = "a"
     if fallback:
         trace.attempt_failed(span, 503, "status_5xx")
         span = trace.send_attempt(headers, [], "b", "standard", "b-0", "http://10.0.0.2:8000", None)
         pool = "b"
     trace.attempt_answered(span, 200, 0.01)
+    trace.observe(
+        b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}'
+    )
     trace.finish(
         status=500 if fail else 200,
         outcome="upstream_error" if fail else "ok",
@@ -87,51 +142,131 @@ def _request(tracing: Tracing, *, fail: bool = False, fallback: bool = False) ->
         endpoint=f"{pool}-0",
         attempts=2 if fallback else 1,
         commit_s=0.02,
-        accepted=None,
-        drafted=None,
+        accepted=3,
+        drafted=4,
         idempotency=None,
     )
     return trace.trace_id
 
 
 def test_tail_decision_keeps_failures_and_fallbacks_only() -> None:
-    tracing, exporter = _tracing("0")
+    tracing, sent = _tracing("0")
     plain = _request(tracing)
     failed = _request(tracing, fail=True)
     fell_back = _request(tracing, fallback=True)
     by_trace: dict[str, list[str]] = {}
-    for s in exporter.get_finished_spans():
-        assert s.context is not None
-        assert s.context.trace_flags.sampled
-        by_trace.setdefault(f"{s.context.trace_id:032x}", []).append(s.name)
+    for s in _exported(tracing, sent):
+        assert s.flags & 0xFF == 1  # exported as sampled
+        by_trace.setdefault(s.trace_id.hex(), []).append(s.name)
     assert plain not in by_trace
     assert sorted(by_trace[failed]) == sorted(
         ["specgate.route", "specgate.admission", "chat m", "POST /v1/chat/completions"]
     )
     assert len(by_trace[fell_back]) == 5  # two attempts
-    processor = tracing.provider._active_span_processor._span_processors[0]
-    assert processor.held == 0  # nothing left waiting
+    assert tracing.exporter.queued == 0  # nothing left waiting
 
 
-def test_sampled_requests_are_all_exported() -> None:
-    tracing, exporter = _tracing("1")
-    plain = _request(tracing)
-    names = [s.name for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == plain]  # type: ignore[union-attr]
-    assert len(names) == 4
+def test_sampled_request_spans_read_back() -> None:
+    """Every span of a sampled request, decoded by the protobuf classes: names, kinds, parents, times, attributes
+    of each value type, status."""
+    tracing, sent = _tracing("1")
+    client_span = "00f067aa0ba902b7"
+    plain = _request(tracing, fallback=True, traceparent=f"00-4bf92f3577b34da6a3ce929d0e0e4736-{client_span}-01")
+    assert plain == "4bf92f3577b34da6a3ce929d0e0e4736"
+    spans = {s.name if s.kind != 3 else f"attempt {_attrs(s)['specgate.attempt']}": s for s in _exported(tracing, sent)}
+    assert len(spans) == 5
+    server = spans["POST /v1/chat/completions"]
+    assert server.kind == 2
+    assert server.parent_span_id.hex() == client_span
+    assert server.trace_state == "vendor=1"
+    assert server.flags & 0x300 == 0x300  # the parent is remote
+    a = _attrs(server)
+    assert a["gen_ai.request.model"] == "m"
+    assert a["gen_ai.request.temperature"] == pytest.approx(0.2)
+    assert a["gen_ai.request.max_tokens"] == 10
+    assert a["specgate.stream"] is True
+    assert a["specgate.class"] == "c"
+    assert a["specgate.fallback"] is True
+    assert a["specgate.attempts"] == 2
+    assert a["specgate.pool"] == "b"
+    assert a["specgate.acceptance"] == pytest.approx(0.75)
+    assert a["specgate.commit_s"] == pytest.approx(0.02)
+    assert a["gen_ai.response.finish_reasons"] == ["stop"]
+    assert a["gen_ai.usage.input_tokens"] == 3
+    assert a["gen_ai.usage.output_tokens"] == 4
+    assert a["specgate.request_id"] == "rid"
+    assert a["http.response.status_code"] == 200
+    assert server.status.code == 0
+    assert server.end_time_unix_nano >= server.start_time_unix_nano > 0
+    route = _attrs(spans["specgate.route"])
+    assert route["specgate.plan"] == ["a", "b"]
+    assert route["specgate.route.reason"] == "preferred"
+    assert route["specgate.controller.share"] == pytest.approx(0.25)
+    assert route["specgate.controller.why"] == "probe"
+    assert route["specgate.expected.pools"] == ["c-a", "b"]
+    assert route["specgate.expected.seconds"] == [1.5, 2.0]
+    first, second = spans["attempt 1"], spans["attempt 2"]
+    for child in (spans["specgate.admission"], spans["specgate.route"], first, second):
+        assert child.parent_span_id == server.span_id
+        assert child.trace_id == server.trace_id
+        assert child.span_id != server.span_id
+    assert first.status.code == 2
+    assert _attrs(first)["error.type"] == "status_5xx"
+    assert _attrs(first)["specgate.committed"] is False
+    assert _attrs(first)["http.response.status_code"] == 503
+    b = _attrs(second)
+    assert b["specgate.committed"] is True
+    assert b["server.address"] == "10.0.0.2"
+    assert b["server.port"] == 8000
+    assert b["specgate.ttft_s"] == pytest.approx(0.01)
+    assert second.status.code == 0
+    assert second.name == "chat m"
 
 
-def test_held_traces_are_bounded() -> None:
-    exporter = InMemorySpanExporter()
-    provider = build_provider({"OTEL_TRACES_SAMPLER_ARG": "0"}, exporter)
-    processor = provider._active_span_processor._span_processors[0]
-    processor.max_held = 3
-    tracer = provider.get_tracer("t")
-    roots = [tracer.start_span("root") for _ in range(5)]
-    from opentelemetry import trace
+def test_a_bad_traceparent_starts_a_new_trace() -> None:
+    tracing, _ = _tracing("1")
+    for bad in (
+        "garbage",
+        "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    ):
+        trace = tracing.start("POST", "/v1/chat/completions", "rid", bad, "vendor=1")
+        assert trace.trace_id != "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert int(trace.trace_id, 16) != 0
+    unsampled = tracing.start(
+        "POST", "/v1/chat/completions", "rid", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", None
+    )
+    assert unsampled.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert not unsampled.sampled
 
-    for root in roots:  # children end, roots stay open: their traces wait
-        tracer.start_span("child", trace.set_span_in_context(root)).end()
-    assert processor.held == 3
+
+def test_export_queue_is_bounded() -> None:
+    """Past OTEL_BSP_MAX_QUEUE_SIZE spans, a request's spans are dropped and counted, not queued."""
+    tracing, sent = _tracing("1", OTEL_BSP_MAX_QUEUE_SIZE="10", OTEL_BSP_SCHEDULE_DELAY="3600000")
+    _request(tracing)
+    _request(tracing)  # 4 + 4 spans queued
+    _request(tracing)  # 12 > 10: dropped
+    assert tracing.exporter.queued == 8
+    assert tracing.exporter.dropped == 4
+    assert len(_exported(tracing, sent)) == 8
+    tracing.shutdown()
+
+
+def test_encoder_writes_what_protobuf_reads() -> None:
+    enc = otlp_wire.Encoder()
+    items = [("s", "x" * 300), ("b", False), ("i", -5), ("f", 1.5), ("l", ["a", "b"]), ("d", [0.5])]
+    attrs = enc.block(("k",), lambda: items) + enc.number("n", 7) + enc.string("id", "y" * 200)
+    assert enc.block(("k",), list) == enc.block(("k",), lambda: items)  # cached under its key
+    data = otlp_wire.request(
+        otlp_wire.resource_fields([("service.name", "svc")], "specgate", "1"),
+        [otlp_wire.span(b"\x01" * 16, b"\x02" * 8, None, enc.name("n"), otlp_wire.INTERNAL, 1, 2**63, attrs)],
+    )
+    (span,) = ExportTraceServiceRequest.FromString(data).resource_spans[0].scope_spans[0].spans
+    assert span.name == "n"
+    assert span.end_time_unix_nano == 2**63
+    assert not span.parent_span_id
+    expect = {"s": "x" * 300, "b": False, "i": -5, "f": 1.5, "l": ["a", "b"], "d": [0.5], "n": 7, "id": "y" * 200}
+    assert _attrs(span) == expect
 
 
 def test_observe_reads_keys_never_text() -> None:
@@ -196,3 +331,28 @@ assert not loaded, loaded
         timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("ratio", ["0", "1"])
+def test_exemplars_name_exported_traces_only(ratio: str) -> None:
+    """A finished request's trace id is in its access log line either way, and an exemplar on the latency
+    histogram only when its trace is exported (a sampled request here; an unsampled ok one is not)."""
+    import io
+
+    import orjson
+
+    from gateway.observability.logs import AccessLog
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.proxy.record import RequestRecord
+
+    tracing, _ = _tracing(ratio)
+    metrics, out = GatewayMetrics(), io.BytesIO()
+    log = AccessLog(out)
+    rec = RequestRecord("rid", "/v1/chat/completions")
+    rec.trace = trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    rec.traffic_class, rec.pool, rec.status = "c", "a", 200
+    rec.finish("ok", metrics, log)
+    log.flush()
+    assert orjson.loads(out.getvalue().splitlines()[0])["trace_id"] == trace.trace_id
+    exposition = metrics.render(openmetrics=True).decode()
+    assert (f'trace_id="{trace.trace_id}"' in exposition) is (ratio == "1")
