@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from gateway.store.base import Claimed, Completed, Running, Store
+from gateway.store.base import Claimed, Completed, Running, Store, StoreUnavailable
 
 LEASE_MS = 30_000
 TTL_MS = 60_000
@@ -177,3 +177,64 @@ class StoreContract:
         assert await store.recall("short") == b"v"
         await asyncio.sleep(0.3)
         assert await store.recall("short") is None
+
+
+OWNER_CAP = 3  # the ``capped`` fixture's max_owner_records
+
+
+class OwnerCapContract:
+    """Per-owner caps: a subclass provides ``capped``, a fresh store with ``max_owner_records=OWNER_CAP`` (and a
+    global cap well above it)."""
+
+    async def _done(self, store: Store, key: str, owner: str, body: bytes = b"r") -> None:
+        res = await store.claim(key, "fp", lease_ms=LEASE_MS, owner=owner)
+        assert isinstance(res, Claimed), res
+        assert await store.complete(key, res.token, body, ttl_ms=TTL_MS) is True
+
+    async def test_an_owner_past_its_cap_drops_only_its_own_oldest(self, capped: Store) -> None:
+        for i in range(OWNER_CAP):
+            await self._done(capped, f"b{i}", "owner-b")
+        for i in range(4 * OWNER_CAP):
+            await self._done(capped, f"a{i}", "owner-a")
+        for i in range(OWNER_CAP):  # B keeps everything
+            assert await capped.get(f"b{i}") == Completed("fp", b"r")
+        kept = [i for i in range(4 * OWNER_CAP) if await capped.get(f"a{i}") is not None]
+        assert len(kept) <= OWNER_CAP
+        assert 4 * OWNER_CAP - 1 in kept  # the newest stays, the oldest went
+        assert 0 not in kept
+
+    async def test_an_owner_full_of_running_claims_is_refused_others_are_not(self, capped: Store) -> None:
+        for i in range(OWNER_CAP):
+            assert isinstance(await capped.claim(f"a{i}", "fp", lease_ms=LEASE_MS, owner="owner-a"), Claimed)
+        with pytest.raises(StoreUnavailable):
+            await capped.claim("a-more", "fp", lease_ms=LEASE_MS, owner="owner-a")
+        for i in range(OWNER_CAP):  # nothing running was dropped
+            assert await capped.get(f"a{i}") == Running("fp")
+        assert isinstance(await capped.claim("b0", "fp", lease_ms=LEASE_MS, owner="owner-b"), Claimed)
+
+    async def test_a_freed_claim_makes_room_again(self, capped: Store) -> None:
+        tokens = []
+        for i in range(OWNER_CAP):
+            res = await capped.claim(f"a{i}", "fp", lease_ms=LEASE_MS, owner="owner-a")
+            assert isinstance(res, Claimed)
+            tokens.append(res.token)
+        assert await capped.release("a0", tokens[0]) is True
+        assert isinstance(await capped.claim("a-more", "fp", lease_ms=LEASE_MS, owner="owner-a"), Claimed)
+
+    async def test_remembered_values_are_capped_per_owner(self, capped: Store) -> None:
+        for i in range(OWNER_CAP):
+            await capped.remember(f"resp:b{i}", b"B", ttl_ms=TTL_MS, owner="owner-b")
+        for i in range(4 * OWNER_CAP):
+            await capped.remember(f"resp:a{i}", b"A", ttl_ms=TTL_MS, owner="owner-a")
+        for i in range(OWNER_CAP):
+            assert await capped.recall(f"resp:b{i}") == b"B"
+        kept = [i for i in range(4 * OWNER_CAP) if await capped.recall(f"resp:a{i}") is not None]
+        assert kept == list(range(3 * OWNER_CAP, 4 * OWNER_CAP))  # the owner's newest, in full
+
+    async def test_records_without_an_owner_are_not_capped_per_owner(self, capped: Store) -> None:
+        for i in range(4 * OWNER_CAP):
+            await self._done(capped, f"n{i}", "")
+            await capped.remember(f"resp:n{i}", b"N", ttl_ms=TTL_MS)
+        for i in range(4 * OWNER_CAP):
+            assert await capped.get(f"n{i}") == Completed("fp", b"r")
+            assert await capped.recall(f"resp:n{i}") == b"N"

@@ -143,6 +143,14 @@ def tenant_scope(authorization: str | None) -> bytes:
     return b"anonymous"
 
 
+def store_owner(tenant: str | None, scope: bytes) -> str:
+    """Whose records these are, for the store's per-owner caps: the tenant when tenants are configured (all its API
+    keys share one allowance), else the key's scope. Short and fixed in form; reveals no key."""
+    if tenant is not None:
+        return "t:" + tenant
+    return "k:" + hashlib.sha256(scope).hexdigest()[:32]
+
+
 def store_key(scope: bytes, key: str) -> str:
     """The store's key for one caller's Idempotency-Key (fixed length; reveals neither)."""
     return "idem:" + hashlib.sha256(scope + b"\0" + key.encode()).hexdigest()
@@ -285,8 +293,10 @@ class KeyClaim:
         metrics: GatewayMetrics,
         request_id: str,
         fingerprint: str = "",
+        owner: str = "",
     ) -> None:
         self.store = store
+        self.owner = owner
         self.key = key
         self.token = token
         self.fingerprint = fingerprint
@@ -387,7 +397,7 @@ class KeyClaim:
             return True
         if await self.store.get(self.key) is not None:
             return False  # another request holds or completed it: never overwrite
-        got = await self.store.claim(self.key, self.fingerprint, lease_ms=self.lease_ms)
+        got = await self.store.claim(self.key, self.fingerprint, lease_ms=self.lease_ms, owner=self.owner)
         if not isinstance(got, Claimed):
             return False
         self.token = got.token
@@ -421,9 +431,11 @@ async def begin(
     key: str,
     fingerprint: str,
     record: RequestRecord,
+    owner: str = "",
 ) -> KeyClaim | Replay | None:
     """Claim ``key`` (a ``store_key``) for this request, or say why not (the module's table).
 
+    ``owner`` (``store_owner``): whose record the claim is, for the store's per-owner caps.
     Returns the claim to run under, a stored response to replay, or None (store unreachable, and the YAML says
     to proceed without idempotency). Raises the 409 / 422 / 503 ``GatewayError``\\ s.
     """
@@ -434,10 +446,10 @@ async def begin(
     delay = 0.02
     try:
         while True:
-            got = await store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=record_cap(cfg))
+            got = await store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=record_cap(cfg), owner=owner)
             if isinstance(got, Claimed):
                 _count(metrics, "claimed", record)
-                return KeyClaim(store, key, got.token, cfg, metrics, request_id, fingerprint)
+                return KeyClaim(store, key, got.token, cfg, metrics, request_id, fingerprint, owner)
             if got.fingerprint != fingerprint:
                 _count(metrics, "mismatch", record)
                 raise IdempotencyKeyMismatch(

@@ -37,6 +37,7 @@ from gateway.proxy.idempotency import (
     fingerprint,
     parse_key,
     store_key,
+    store_owner,
     tenant_scope,
 )
 from gateway.proxy.job import ProxyJob
@@ -166,7 +167,12 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         sticky = Sticky(None, None)
         if route.endpoint == "responses":  # a follow-up goes to the endpoint holding its conversation, and only there
             sticky = await for_create(
-                rt.store, live.pools, body, hdr.get("authorization"), live.rules.idempotency.ttl_s
+                rt.store,
+                live.pools,
+                body,
+                hdr.get("authorization"),
+                live.rules.idempotency.ttl_s,
+                None if tenant is None else tenant.name,
             )
             plan, max_attempts = sticky.plan or plan, 1 if sticky.pinned else max_attempts
         rec.route_reason = plan.reason
@@ -186,6 +192,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
                 key=store_key(scope_key, idempotency_key),
                 fingerprint=view.fingerprint if view and view.fingerprint else fingerprint(scope["method"], path, body),
                 record=rec,
+                owner=store_owner(None if tenant is None else tenant.name, scope_key),
             )
             if isinstance(got, Replay):
                 return _replay(rt, got, rec)

@@ -44,7 +44,7 @@ from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
 from gateway.proxy.forward import ProxyExchange
 from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response
-from gateway.proxy.idempotency import tenant_scope
+from gateway.proxy.idempotency import store_owner, tenant_scope
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.owned_ids import mint_response_id
 from gateway.proxy.record import RequestRecord
@@ -173,7 +173,7 @@ async def locate(
     return pool, ep
 
 
-def recorder(store: Store, scope: bytes, ttl_ms: int, minted: str) -> OnAnswer:
+def recorder(store: Store, scope: bytes, ttl_ms: int, minted: str, owner: str = "") -> OnAnswer:
     """What records a 200 answer's response id (``ProxyJob.on_answer``): only ``minted``, the id the gateway sent.
     An answer under another id (a pool that did not take the request's ``request_id``) is logged and not recorded:
     its follow-ups get 404 rather than an id the gateway did not choose. A store failure is logged, never raised:
@@ -191,7 +191,9 @@ def recorder(store: Store, scope: bytes, ttl_ms: int, minted: str) -> OnAnswer:
             )
             return
         try:
-            await store.remember(record_key(scope, rid), Holder(pool.name, ep.id, ep.url).encode(), ttl_ms=ttl_ms)
+            await store.remember(
+                record_key(scope, rid), Holder(pool.name, ep.id, ep.url).encode(), ttl_ms=ttl_ms, owner=owner
+            )
         except StoreUnavailable as exc:
             logger.warning("response %s from %s/%s was not recorded: %s", rid, pool.name, ep.id, exc)
 
@@ -221,17 +223,25 @@ class Sticky:
 
 
 async def for_create(
-    store: Store, pools: Mapping[str, PoolState], body: Mapping[str, Any], authorization: str | None, ttl_s: float
+    store: Store,
+    pools: Mapping[str, PoolState],
+    body: Mapping[str, Any],
+    authorization: str | None,
+    ttl_s: float,
+    tenant: str | None = None,
 ) -> Sticky:
     """The stickiness of one ``POST /v1/responses`` (its body already classified, so its fields are valid): the
-    caller's own ``previous_response_id`` only, and a new id of the gateway's for the response."""
+    caller's own ``previous_response_id`` only, and a new id of the gateway's for the response. Its record counts
+    to ``tenant`` (when tenants are configured) or to the key's scope (``store_owner``)."""
     scope = tenant_scope(authorization)
     previous = body.get("previous_response_id")
     pinned = None
     if isinstance(previous, str):
         pinned = await locate(store, pools, scope, previous, param="previous_response_id")
     minted = mint_response_id()
-    on_answer = recorder(store, scope, int(ttl_s * 1000), minted) if stores_state(body) else None
+    on_answer = None
+    if stores_state(body):
+        on_answer = recorder(store, scope, int(ttl_s * 1000), minted, store_owner(tenant, scope))
     return Sticky(pinned, on_answer, minted)
 
 

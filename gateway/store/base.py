@@ -62,9 +62,12 @@ class Store(Protocol):
 
     name: str  # "memory" | "redis"
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
         """``max_bytes`` (> 0): a completed record's response larger than this is not read back (a record the
-        gateway did not write; ``Completed.oversize``)."""
+        gateway did not write; ``Completed.oversize``). ``owner``: whose record a new claim is (the tenant, or the
+        API key's scope), for the per-owner caps; "" is no one in particular."""
         ...
 
     async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
@@ -83,8 +86,8 @@ class Store(Protocol):
         """The record as it is now (waiting for a running request to finish polls this)."""
         ...
 
-    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
-        """Keep ``value`` under ``key`` for ``ttl_ms`` (a newer value replaces it)."""
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int, owner: str = "") -> None:
+        """Keep ``value`` under ``key`` for ``ttl_ms`` (a newer value replaces it), counted to ``owner``."""
         ...
 
     async def recall(self, key: str) -> bytes | None:

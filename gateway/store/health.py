@@ -140,8 +140,12 @@ class StoreHealth:
             self.mark_failed(op, str(exc))
             raise
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
-        return await self._call("claim", self.store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes))
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
+        return await self._call(
+            "claim", self.store.claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes, owner=owner)
+        )
 
     async def extend(self, key: str, token: str, *, lease_ms: int) -> bool:
         return await self._call("extend", self.store.extend(key, token, lease_ms=lease_ms))
@@ -155,8 +159,8 @@ class StoreHealth:
     async def get(self, key: str) -> Running | Completed | None:
         return await self._call("get", self.store.get(key))
 
-    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
-        await self._call("remember", self.store.remember(key, value, ttl_ms=ttl_ms))
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int, owner: str = "") -> None:
+        await self._call("remember", self.store.remember(key, value, ttl_ms=ttl_ms, owner=owner))
 
     async def recall(self, key: str) -> bytes | None:
         return await self._call("recall", self.store.recall(key))

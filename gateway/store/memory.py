@@ -17,6 +17,17 @@ Memory stays bounded without a background task:
 - the stored responses together stay within ``max_bytes``: completing a record drops the oldest completed ones
   until the new one fits. One response larger than ``max_bytes`` is never kept: ``complete`` raises
   ``StoreUnavailable`` (the caller keeps its own, smaller per-record cap well below, ``gateway.proxy.idempotency``).
+
+Per owner (who created a record: the tenant, or the API key's scope without tenants; ``owner=""`` is no one in
+particular and has no cap of its own), so that one owner's records never push out another's:
+
+- an owner holds at most ``max_owner_records`` claims and, separately, as many remembered values; past that its
+  *own* oldest completed claim (oldest value) goes first. An owner whose claims are all running gets
+  ``StoreUnavailable`` for one more, like the full store;
+- an owner's stored responses stay within ``max_owner_bytes``: completing drops that owner's oldest completed
+  records first (one response larger than the cap alone is still kept, alone, within ``max_bytes``);
+- when the whole store is at ``max_records`` or ``max_bytes``, the records dropped are those of the owner holding
+  the most (records, or bytes), its oldest completed first; never a smaller owner's while a larger one has some.
 """
 
 from __future__ import annotations
@@ -26,12 +37,22 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
 
 DEFAULT_MAX_RECORDS = 100_000
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_OWNER_RECORDS = 10_000
+
+
+@dataclass(slots=True)
+class _Owner:
+    """One owner's share: its claims in creation/completion order, their response bytes, its remembered values."""
+
+    keys: dict[str, None] = field(default_factory=dict)
+    bytes: int = 0
+    values: dict[str, None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -40,6 +61,7 @@ class _Record:
     fingerprint: str
     expires_at: float  # the store's clock (monotonic seconds)
     response: bytes | None = None  # None while running
+    owner: str = ""
 
     @property
     def done(self) -> bool:
@@ -56,13 +78,22 @@ class MemoryStore:
         *,
         max_records: int = DEFAULT_MAX_RECORDS,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_owner_records: int = DEFAULT_MAX_OWNER_RECORDS,
+        max_owner_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if max_owner_records < 1:
+            raise ValueError(f"max_owner_records must be >= 1, got {max_owner_records}")
+        if max_owner_bytes < 0:
+            raise ValueError(f"max_owner_bytes must be >= 0 (0: a quarter of max_bytes), got {max_owner_bytes}")
         self._max = max_records
+        self._owner_max = max_owner_records
+        self._owner_max_bytes = max_owner_bytes or max(1, max_bytes // 4)
+        self._owners: dict[str, _Owner] = {}  # only owners holding something: an emptied one is removed
         self._max_bytes = max_bytes
         self._bytes = 0  # the stored responses' sizes, together
         self._clock = clock
@@ -70,8 +101,8 @@ class MemoryStore:
         # the end), so the first completed record found walking the dict is the oldest completion.
         self._records: dict[str, _Record] = {}
         self._expiries: list[tuple[float, str]] = []  # (expires_at, key) min-heap; may hold stale entries
-        # remember/recall: (expires_at, value) in write order; at most max_records, the oldest write goes first.
-        self._values: dict[str, tuple[float, bytes]] = {}
+        # remember/recall: (expires_at, value, owner) in write order; at most max_records.
+        self._values: dict[str, tuple[float, bytes, str]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -90,10 +121,54 @@ class MemoryStore:
             return None
         return rec
 
+    def owner_usage(self, owner: str) -> tuple[int, int, int]:
+        """What ``owner`` holds now: (claims, their response bytes, remembered values)."""
+        o = self._owners.get(owner)
+        return (0, 0, 0) if o is None else (len(o.keys), o.bytes, len(o.values))
+
+    def _owner(self, owner: str) -> _Owner:
+        o = self._owners.get(owner)
+        if o is None:
+            o = self._owners[owner] = _Owner()
+        return o
+
+    def _tidy(self, owner: str, o: _Owner) -> None:
+        if not o.keys and not o.values:
+            del self._owners[owner]
+
     def _drop(self, key: str) -> None:
         rec = self._records.pop(key)
+        o = self._owners[rec.owner]
+        del o.keys[key]
         if rec.response is not None:
             self._bytes -= len(rec.response)
+            o.bytes -= len(rec.response)
+        self._tidy(rec.owner, o)
+
+    def _drop_value(self, key: str) -> None:
+        owner = self._values.pop(key)[2]
+        o = self._owners[owner]
+        del o.values[key]
+        self._tidy(owner, o)
+
+    def _oldest_done(self, o: _Owner) -> str | None:
+        """The owner's oldest completed record (its keys are in creation/completion order)."""
+        records = self._records
+        return next((k for k in o.keys if records[k].done), None)
+
+    def _evict_largest(self, over: Callable[[], bool], size: Callable[[_Owner], int]) -> None:
+        """While ``over()``: drop the oldest completed record of the owner with the largest ``size``."""
+        heap = [(-size(o), name) for name, o in self._owners.items() if size(o) > 0]
+        heapq.heapify(heap)
+        while heap and over():
+            _, name = heapq.heappop(heap)
+            o = self._owners[name]
+            victim = self._oldest_done(o)
+            if victim is None:  # only running claims left: this owner cannot give more
+                continue
+            self._drop(victim)
+            if name in self._owners and size(o) > 0:
+                heapq.heappush(heap, (-size(o), name))
 
     def _set_expiry(self, key: str, rec: _Record, expires_at: float) -> None:
         rec.expires_at = expires_at
@@ -112,37 +187,49 @@ class MemoryStore:
             self._expiries = [(r.expires_at, k) for k, r in self._records.items()]
             heapq.heapify(self._expiries)
 
-    def _make_room(self, now: float) -> None:
+    def _make_room(self, now: float, owner: str) -> None:
         self._prune(now)
+        if owner:
+            o = self._owners.get(owner)
+            if o is not None and len(o.keys) >= self._owner_max:
+                # Drop 1% more than needed, so that an owner at its cap does not walk its records on every claim.
+                excess = len(o.keys) - self._owner_max + 1 + self._owner_max // 100
+                records = self._records
+                for k in list(itertools.islice((k for k in o.keys if records[k].done), excess)):
+                    self._drop(k)
+                if len(o.keys) >= self._owner_max:
+                    raise StoreUnavailable(
+                        f"memory store: this owner holds {len(o.keys)} running claims "
+                        f"(max_owner_records={self._owner_max})"
+                    )
         if len(self._records) < self._max:
             return
-        # Drop 1% more than needed, so that a store at its cap does not walk the dict on every claim.
-        excess = len(self._records) - self._max + 1 + self._max // 100
-        victims = list(itertools.islice((k for k, r in self._records.items() if r.done), excess))
-        for k in victims:
-            self._drop(k)
+        floor = self._max - 1 - self._max // 100  # 1% below the cap, as above
+        self._evict_largest(lambda: len(self._records) > floor, lambda o: len(o.keys))
         if len(self._records) >= self._max:
             raise StoreUnavailable(f"memory store full: {len(self._records)} running claims (max_records={self._max})")
 
     # -- the Store protocol -------------------------------------------------------------------------------------
 
-    def _make_bytes(self, size: int, now: float) -> None:
-        """Drop the oldest completed records until ``size`` more bytes fit in ``max_bytes``."""
+    def _make_bytes(self, size: int, now: float, owner: str) -> None:
+        """Drop the owner's own oldest completed records until ``size`` more bytes fit its share, then those of the
+        owners holding the most bytes until they fit ``max_bytes``."""
+        o = self._owners[owner]
+        if owner and o.bytes + size > self._owner_max_bytes:
+            self._prune(now)
+            while o.bytes > 0 and o.bytes + size > self._owner_max_bytes:
+                victim = self._oldest_done(o)
+                if victim is None:
+                    break
+                self._drop(victim)
         if self._bytes + size <= self._max_bytes:
             return
         self._prune(now)
-        victims: list[str] = []
-        freed = 0
-        for k, r in self._records.items():
-            if self._bytes - freed + size <= self._max_bytes:
-                break
-            if r.response is not None:
-                victims.append(k)
-                freed += len(r.response)
-        for k in victims:
-            self._drop(k)
+        self._evict_largest(lambda: self._bytes + size > self._max_bytes, lambda o: o.bytes)
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
         now = self._clock()
         rec = self._live(key, now)
         if rec is not None:
@@ -151,10 +238,11 @@ class MemoryStore:
                     return Completed(rec.fingerprint, b"", oversize=True)
                 return Completed(rec.fingerprint, rec.response)
             return Running(rec.fingerprint)
-        self._make_room(now)
+        self._make_room(now, owner)
         token = secrets.token_hex(16)
-        rec = _Record(token=token, fingerprint=fingerprint, expires_at=0.0)
+        rec = _Record(token=token, fingerprint=fingerprint, expires_at=0.0, owner=owner)
         self._records[key] = rec
+        self._owner(owner).keys[key] = None
         self._set_expiry(key, rec, now + lease_ms / 1000)
         return Claimed(token)
 
@@ -176,11 +264,15 @@ class MemoryStore:
             return True
         if len(response) > self._max_bytes:
             raise StoreUnavailable(f"a response of {len(response)} bytes exceeds the store's {self._max_bytes} bytes")
-        self._make_bytes(len(response), now)
+        self._make_bytes(len(response), now, rec.owner)
         rec.response = bytes(response)
         self._bytes += len(response)
+        o = self._owners[rec.owner]
+        o.bytes += len(response)
         del self._records[key]  # re-insert at the end: completion order drives eviction
         self._records[key] = rec
+        del o.keys[key]
+        o.keys[key] = None
         self._set_expiry(key, rec, now + ttl_ms / 1000)
         self._prune(now)
         return True
@@ -202,29 +294,41 @@ class MemoryStore:
             return Completed(rec.fingerprint, rec.response)
         return Running(rec.fingerprint)
 
-    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int, owner: str = "") -> None:
         now = self._clock()
         values = self._values
-        values.pop(key, None)
-        # The oldest writes come first: drop the expired ones at the front, then the oldest beyond the cap.
+        if key in values:
+            self._drop_value(key)
+        # The oldest writes come first: drop the expired ones at the front.
         for k in list(itertools.islice(values, 64)):
-            if values[k][0] > now and len(values) < self._max:
+            if values[k][0] > now:
                 break
-            del values[k]
-        values[key] = (now + ttl_ms / 1000, bytes(value))
+            self._drop_value(k)
+        o = self._owners.get(owner)
+        if owner and o is not None and len(o.values) >= self._owner_max:  # the owner's own oldest goes first
+            for k in list(itertools.islice(o.values, len(o.values) - self._owner_max + 1)):
+                self._drop_value(k)
+        if len(values) >= self._max:  # then the oldest of the owner holding the most values
+            largest = max(self._owners.items(), key=lambda item: len(item[1].values))[1]
+            self._drop_value(next(iter(largest.values)))
+        values[key] = (now + ttl_ms / 1000, bytes(value), owner)
+        self._owner(owner).values[key] = None
 
     async def recall(self, key: str) -> bytes | None:
         got = self._values.get(key)
         if got is None:
             return None
         if got[0] <= self._clock():
-            del self._values[key]
+            self._drop_value(key)
             return None
         return got[1]
 
     async def forget(self, key: str) -> bool:
-        got = self._values.pop(key, None)
-        return got is not None and got[0] > self._clock()
+        got = self._values.get(key)
+        if got is None:
+            return False
+        self._drop_value(key)
+        return got[0] > self._clock()
 
     async def ping(self) -> None:
         return None
@@ -234,3 +338,4 @@ class MemoryStore:
         self._bytes = 0
         self._expiries.clear()
         self._values.clear()
+        self._owners.clear()

@@ -26,6 +26,18 @@ restart flushed the script cache), so each is atomic and one round trip:
 
 Values kept with ``remember`` are plain strings (``SET … PX``, ``GET``) under the same prefix.
 
+Per owner (the tenant, or the API key's scope; see ``gateway.store.base``): a sorted set per owner and family,
+``<prefix>owner:idem:<owner>`` for claims and ``<prefix>owner:val:<owner>`` for remembered values, members the
+record keys, scores their write order (one more than the set's highest), written by the same script that creates the record.
+Past ``max_owner_records`` the script makes room among that owner's oldest members: a member whose record expired or
+was deleted is removed, a completed claim (or any value) is deleted; a running claim is never dropped, and an owner
+whose oldest are all running claims has its new claim refused (``StoreUnavailable``, as a full ``MemoryStore``).
+A record created by another owner (a key that moved with a changed tenants file) is never deleted, only unlisted.
+Each set's TTL is renewed on every write (``owner_keep_ms``, at least the longest record TTL in use); records outlive
+a set only if kept longer than that, and then merely go uncounted. The caps count records, not bytes: Redis's own
+``maxmemory`` bounds the bytes. The scripts touch records named by the set, not passed as keys: one Redis (or a
+proxy that keeps a script's keys together), not Redis Cluster, as before.
+
 Failures: any Redis or socket error becomes ``StoreUnavailable`` with the operation in its message; the URL (which
 may hold a password) is never part of it. Timeouts are short (``socket_timeout_s``) so that a dead Redis costs a
 keyed request half a second, not a stalled worker; a refused connection is retried once at once (a pooled
@@ -47,10 +59,13 @@ from redis.exceptions import RedisError
 from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
 
 DEFAULT_PREFIX = "specgate:idem:"
+DEFAULT_MAX_OWNER_RECORDS = 10_000
+DEFAULT_OWNER_KEEP_MS = 7 * 24 * 3600 * 1000
 
-# KEYS[1] = record; ARGV = token, fingerprint, lease_ms, max_bytes. Returns 1 (claimed) or {state, fingerprint,
-# response}, or {state, fingerprint, false, 1} when the response is longer than max_bytes (> 0): a record the
-# gateway did not write is never sent back whole. A fingerprint longer than 128 bytes (ours are 64) comes back as
+# KEYS[1] = record, KEYS[2] (optional) = the owner's claim set; ARGV = token, fingerprint, lease_ms, max_bytes,
+# max_owner_records, owner_keep_ms, owner. Returns 1 (claimed), 2 (the owner holds max_owner_records running
+# claims: refused) or {state, fingerprint, response}, or {state, fingerprint, false, 1} when the response is longer
+# than max_bytes (> 0): a record the gateway did not write is never sent back whole. A fingerprint longer than 128 bytes (ours are 64) comes back as
 # '-', which matches no request. HSTRLEN first: an oversized field is never even copied.
 _CLAIM = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
@@ -68,8 +83,57 @@ if rec[1] then
   end
   return {rec[1], fp, redis.call('HGET', KEYS[1], 'r')}
 end
+if KEYS[2] then
+  local cap = tonumber(ARGV[5])
+  local excess = redis.call('ZCARD', KEYS[2]) - cap + 1
+  if excess > 0 then
+    for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, excess + 63)) do
+      if excess <= 0 then break end
+      local r = redis.call('HMGET', k, 's', 'o')
+      if r[1] == 'done' and r[2] == ARGV[7] then
+        redis.call('DEL', k)
+      end
+      if r[1] ~= 'running' or r[2] ~= ARGV[7] then
+        redis.call('ZREM', KEYS[2], k)
+        excess = excess - 1
+      end
+    end
+    if excess > 0 then
+      return 2
+    end
+  end
+  local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+  redis.call('ZADD', KEYS[2], (tonumber(last[2]) or 0) + 1, KEYS[1])
+  if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[6]) then
+    redis.call('PEXPIRE', KEYS[2], ARGV[6])
+  end
+  redis.call('HSET', KEYS[1], 'o', ARGV[7])
+end
 redis.call('HSET', KEYS[1], 's', 'running', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS[1] = value, KEYS[2] = the owner's value set; ARGV = value, ttl_ms, max_owner_records, owner_keep_ms.
+# The owner's oldest values beyond the cap are deleted (never the one just written).
+_REMEMBER = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+redis.call('ZADD', KEYS[2], (tonumber(last[2]) or 0) + 1, KEYS[1])
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if excess > 0 then
+  for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, excess)) do
+    if excess <= 0 then break end
+    if k ~= KEYS[1] then
+      redis.call('DEL', k)
+      redis.call('ZREM', KEYS[2], k)
+      excess = excess - 1
+    end
+  end
+end
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
 return 1
 """
 
@@ -169,14 +233,27 @@ class RedisStore:
 
     name = "redis"
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = DEFAULT_PREFIX, where: str = "redis") -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        where: str = "redis",
+        max_owner_records: int = DEFAULT_MAX_OWNER_RECORDS,
+        owner_keep_ms: int = DEFAULT_OWNER_KEEP_MS,
+    ) -> None:
+        if max_owner_records < 1:
+            raise ValueError(f"max_owner_records must be >= 1, got {max_owner_records}")
         self._client = client
         self._prefix = prefix
+        self._owner_max = max_owner_records
+        self._owner_keep_ms = max(1, owner_keep_ms)
         self._where = where  # for messages: host:port/db, never the password
         self._claim = client.register_script(_CLAIM)
         self._extend = client.register_script(_EXTEND)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
+        self._remember = client.register_script(_REMEMBER)
 
     @classmethod
     def from_url(
@@ -187,6 +264,8 @@ class RedisStore:
         prefix: str = DEFAULT_PREFIX,
         max_connections: int = 128,
         health_check_interval_s: int = 10,
+        max_owner_records: int = DEFAULT_MAX_OWNER_RECORDS,
+        owner_keep_ms: int = DEFAULT_OWNER_KEEP_MS,
     ) -> RedisStore:
         """A store on its own bounded connection pool. Nothing connects yet: the first command (or ``ping``) does.
 
@@ -201,23 +280,46 @@ class RedisStore:
             health_check_interval_s=health_check_interval_s,
             client_name="specgate",
         )
-        return cls(aioredis.Redis(connection_pool=pool), prefix=prefix, where=where)
+        return cls(
+            aioredis.Redis(connection_pool=pool),
+            prefix=prefix,
+            where=where,
+            max_owner_records=max_owner_records,
+            owner_keep_ms=owner_keep_ms,
+        )
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
         detail = str(exc).strip() or "no detail"
         return StoreUnavailable(f"redis {op} failed ({self._where}): {type(exc).__name__}: {detail}")
 
-    async def _run(self, op: str, script: Any, key: str, *args: str | int | bytes) -> Any:
+    async def _run(self, op: str, script: Any, key: str | list[str], *args: str | int | bytes) -> Any:
+        keys = [self._prefix + k for k in ([key] if isinstance(key, str) else key)]
         try:
-            return await script(keys=[self._prefix + key], args=list(args))
+            return await script(keys=keys, args=list(args))
         except (RedisError, OSError) as exc:  # TimeoutError is an OSError
             raise self._unavailable(op, exc) from exc
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
         token = secrets.token_hex(16)
-        raw = await self._run("claim", self._claim, key, token, fingerprint, int(lease_ms), max(0, int(max_bytes)))
+        keys = [key, "owner:idem:" + owner] if owner else key
+        raw = await self._run(
+            "claim",
+            self._claim,
+            keys,
+            token,
+            fingerprint,
+            int(lease_ms),
+            max(0, int(max_bytes)),
+            self._owner_max,
+            self._owner_keep_ms,
+            owner,
+        )
         if raw == 1:
             return Claimed(token)
+        if raw == 2:
+            raise StoreUnavailable(f"redis: this owner holds {self._owner_max} running claims (max_owner_records)")
         rec = _record(raw)
         if rec is None:  # cannot happen with the script above; a protocol error if it does
             raise StoreUnavailable(f"redis claim returned an unexpected reply: {raw!r}")
@@ -239,7 +341,19 @@ class RedisStore:
             raise self._unavailable("get", exc) from exc
         return _record(raw)
 
-    async def remember(self, key: str, value: bytes, *, ttl_ms: int) -> None:
+    async def remember(self, key: str, value: bytes, *, ttl_ms: int, owner: str = "") -> None:
+        if owner:
+            ttl = max(1, int(ttl_ms))
+            await self._run(
+                "remember",
+                self._remember,
+                [key, "owner:val:" + owner],
+                bytes(value),
+                ttl,
+                self._owner_max,
+                max(ttl, self._owner_keep_ms),
+            )
+            return
         try:
             await self._client.set(self._prefix + key, bytes(value), px=max(1, int(ttl_ms)))
         except (RedisError, OSError) as exc:

@@ -286,7 +286,9 @@ async def test_failed_attempts_release_the_key(gw: Gateway) -> None:
 class DownStore(MemoryStore):
     name = "down"
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
         raise StoreUnavailable("connection refused")
 
 

@@ -18,7 +18,7 @@ from gateway.store.health import StoreHealth
 from gateway.store.redis import DEFAULT_PREFIX, RedisStore
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import RedisServer, ServerThread, rules_for
-from tests.store_contract import LEASE_MS, TTL_MS, StoreContract
+from tests.store_contract import LEASE_MS, OWNER_CAP, TTL_MS, OwnerCapContract, StoreContract
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +27,14 @@ class TestRedisStoreContract(StoreContract):
     @pytest.fixture
     async def store(self, redis_server: RedisServer) -> AsyncIterator[RedisStore]:
         s = RedisStore.from_url(redis_server.url)
+        yield s
+        await s.close()
+
+
+class TestRedisStoreOwnerCaps(OwnerCapContract):
+    @pytest.fixture
+    async def capped(self, redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+        s = RedisStore.from_url(redis_server.url, max_owner_records=OWNER_CAP)
         yield s
         await s.close()
 

@@ -13,13 +13,21 @@ from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUn
 from gateway.store.health import StoreHealth, build_store
 from gateway.store.memory import MemoryStore
 from gateway.store.redis import RedisStore, redact_url
-from tests.store_contract import LEASE_MS, TTL_MS, StoreContract
+from tests.store_contract import LEASE_MS, OWNER_CAP, TTL_MS, OwnerCapContract, StoreContract
 
 
 class TestMemoryStoreContract(StoreContract):
     @pytest.fixture
     async def store(self) -> AsyncIterator[MemoryStore]:
         s = MemoryStore()
+        yield s
+        await s.close()
+
+
+class TestMemoryStoreOwnerCaps(OwnerCapContract):
+    @pytest.fixture
+    async def capped(self) -> AsyncIterator[MemoryStore]:
+        s = MemoryStore(max_owner_records=OWNER_CAP)
         yield s
         await s.close()
 
@@ -113,9 +121,11 @@ class FlakyStore(MemoryStore):
         if self.down:
             raise StoreUnavailable("flaky store is down")
 
-    async def claim(self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, *, lease_ms: int, max_bytes: int = 0, owner: str = ""
+    ) -> ClaimResult:
         self._check()
-        return await super().claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes)
+        return await super().claim(key, fingerprint, lease_ms=lease_ms, max_bytes=max_bytes, owner=owner)
 
     async def ping(self) -> None:
         self._check()
