@@ -111,6 +111,22 @@ def serve(
             help="Stored responses of the in-memory Idempotency-Key store, together; the oldest go first.",
         ),
     ] = 256 * 1024 * 1024,
+    idempotency_owner_records: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_IDEMPOTENCY_OWNER_RECORDS",
+            help="Idempotency-Key records, and apart Responses API records, kept per tenant (or per API key without "
+            "tenants); past it that owner's own oldest completed go first.",
+        ),
+    ] = 10_000,
+    idempotency_owner_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="SPECGATE_IDEMPOTENCY_OWNER_BYTES",
+            help="Stored responses of the in-memory store per tenant (or API key); 0: a quarter of "
+            "--idempotency-memory-bytes.",
+        ),
+    ] = 0,
     header_timeout_s: Annotated[
         float,
         typer.Option(
@@ -247,6 +263,8 @@ def serve(
             max_detached=max_detached,
             max_detached_per_client=max_detached_per_client,
             idempotency_memory_bytes=idempotency_memory_bytes,
+            idempotency_owner_records=idempotency_owner_records,
+            idempotency_owner_bytes=idempotency_owner_bytes,
             header_timeout_s=header_timeout_s,
             body_timeout_s=body_timeout_s,
             body_min_rate=body_min_rate,

@@ -33,6 +33,8 @@ _INT_FIELDS = frozenset(
         "max_detached",
         "max_detached_per_client",
         "idempotency_memory_bytes",
+        "idempotency_owner_records",
+        "idempotency_owner_bytes",
         "body_min_rate",
         "max_connections",
         "max_connections_per_client",
@@ -77,6 +79,10 @@ class Settings:
     max_detached: int = 64  # keyed generations left running after their client went, in total
     max_detached_per_client: int = 8  # ... per client scope (bearer token)
     idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
+    # Per owner (tenant, or API key without tenants), in the store: Idempotency-Key records and, apart, Responses API
+    # records (memory and Redis); stored response bytes (memory only; 0: a quarter of idempotency_memory_bytes).
+    idempotency_owner_records: int = 10_000
+    idempotency_owner_bytes: int = 0
     # Client connections (gateway/proxy/limits.py, docs/limits.md): time bounds before a request reaches the app, and
     # open connections per listener of this process (0: no cap).
     header_timeout_s: float = 30.0  # a request head, from its first byte to its end; past it: 408
@@ -144,6 +150,15 @@ class Settings:
             raise SettingsError(f"parse_workers must be 0..64, got {self.parse_workers}")
         if self.idempotency_memory_bytes < 64 * 1024 * 1024:  # the largest per-record cap the YAML allows
             raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
+        if self.idempotency_owner_records < 1:
+            raise SettingsError(f"idempotency_owner_records must be >= 1, got {self.idempotency_owner_records}")
+        if self.idempotency_owner_bytes != 0 and not (
+            1024 * 1024 <= self.idempotency_owner_bytes <= self.idempotency_memory_bytes
+        ):
+            raise SettingsError(
+                "idempotency_owner_bytes must be 0 (a quarter of idempotency_memory_bytes) or 1 MiB.."
+                f"idempotency_memory_bytes, got {self.idempotency_owner_bytes}"
+            )
         if self.max_detached < 0 or self.max_detached_per_client < 0:
             raise SettingsError("max_detached and max_detached_per_client must be >= 0")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):

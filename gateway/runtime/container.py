@@ -125,7 +125,13 @@ class Runtime:
         # Idempotency records: Redis when configured, else memory. ``store`` is the health-tracking wrapper, so a
         # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
         self.store_health = StoreHealth(
-            build_store(settings.redis_url, memory_bytes=settings.idempotency_memory_bytes), self.metrics.registry
+            build_store(
+                settings.redis_url,
+                memory_bytes=settings.idempotency_memory_bytes,
+                owner_records=settings.idempotency_owner_records,
+                owner_bytes=settings.idempotency_owner_bytes,
+            ),
+            self.metrics.registry,
         )
         self.store: Store = self.store_health
         # On-call overrides and the audit log, in the same store (Redis: shared by every replica;

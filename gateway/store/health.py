@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.periodic import run_every
 from gateway.store.base import ClaimResult, Completed, Running, Store, StoreUnavailable
-from gateway.store.memory import DEFAULT_MAX_BYTES, MemoryStore
+from gateway.store.memory import DEFAULT_MAX_BYTES, DEFAULT_MAX_OWNER_RECORDS, MemoryStore
 from gateway.store.redis import DEFAULT_PREFIX, RedisStore, redact_url
 
 logger = logging.getLogger("specgate.store")
@@ -36,6 +36,8 @@ def build_store(
     prefix: str = DEFAULT_PREFIX,
     socket_timeout_s: float = 0.5,
     memory_bytes: int = DEFAULT_MAX_BYTES,
+    owner_records: int = DEFAULT_MAX_OWNER_RECORDS,
+    owner_bytes: int = 0,
 ) -> Store:
     """``RedisStore`` when a URL is configured (shared by the replicas), else ``MemoryStore`` (this process only).
 
@@ -43,9 +45,11 @@ def build_store(
     degraded until it answers.
     """
     if not redis_url:
-        return MemoryStore(max_bytes=memory_bytes)
+        return MemoryStore(max_bytes=memory_bytes, max_owner_records=owner_records, max_owner_bytes=owner_bytes)
     logger.info("idempotency store: redis at %s", redact_url(redis_url))
-    return RedisStore.from_url(redis_url, socket_timeout_s=socket_timeout_s, prefix=prefix)
+    return RedisStore.from_url(
+        redis_url, socket_timeout_s=socket_timeout_s, prefix=prefix, max_owner_records=owner_records
+    )
 
 
 class StoreHealth:

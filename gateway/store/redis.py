@@ -27,8 +27,9 @@ restart flushed the script cache), so each is atomic and one round trip:
 Values kept with ``remember`` are plain strings (``SET … PX``, ``GET``) under the same prefix.
 
 Per owner (the tenant, or the API key's scope; see ``gateway.store.base``): a sorted set per owner and family,
-``<prefix>owner:idem:<owner>`` for claims and ``<prefix>owner:val:<owner>`` for remembered values, members the
-record keys, scores their write order (one more than the set's highest), written by the same script that creates the record.
+``<prefix>owner:idem:<owner>`` for claims and ``<prefix>owner:val:<owner>`` for remembered values: members the
+record keys, scores their write order (one more than the set's highest), written by the script that creates the
+record.
 Past ``max_owner_records`` the script makes room among that owner's oldest members: a member whose record expired or
 was deleted is removed, a completed claim (or any value) is deleted; a running claim is never dropped, and an owner
 whose oldest are all running claims has its new claim refused (``StoreUnavailable``, as a full ``MemoryStore``).
@@ -65,8 +66,9 @@ DEFAULT_OWNER_KEEP_MS = 7 * 24 * 3600 * 1000
 # KEYS[1] = record, KEYS[2] (optional) = the owner's claim set; ARGV = token, fingerprint, lease_ms, max_bytes,
 # max_owner_records, owner_keep_ms, owner. Returns 1 (claimed), 2 (the owner holds max_owner_records running
 # claims: refused) or {state, fingerprint, response}, or {state, fingerprint, false, 1} when the response is longer
-# than max_bytes (> 0): a record the gateway did not write is never sent back whole. A fingerprint longer than 128 bytes (ours are 64) comes back as
-# '-', which matches no request. HSTRLEN first: an oversized field is never even copied.
+# than max_bytes (> 0): a record the gateway did not write is never sent back whole. A fingerprint longer than
+# 128 bytes (ours are 64) comes back as '-', which matches no request. HSTRLEN first: an oversized field is never
+# even copied.
 _CLAIM = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] then

@@ -232,3 +232,81 @@ async def test_remembered_values_are_capped_oldest_first() -> None:
     clock.now += 61
     await store.remember("fresh", b"v", ttl_ms=60_000)
     assert len(store._values) == 1  # the expired ones went on the write, without waiting to be read
+
+
+# -- per-owner accounting ------------------------------------------------------------------------------------------
+
+
+async def _done(store: MemoryStore, key: str, owner: str, body: bytes = b"r") -> None:
+    res = await store.claim(key, "fp", lease_ms=LEASE_MS, owner=owner)
+    assert isinstance(res, Claimed)
+    assert await store.complete(key, res.token, body, ttl_ms=TTL_MS) is True
+
+
+async def test_the_full_store_drops_the_largest_owners_records_first() -> None:
+    store = MemoryStore(max_records=200, max_owner_records=150)
+    for i in range(20):
+        await _done(store, f"b{i}", "owner-b")  # the oldest records, of the small owner
+    for i in range(150):
+        await _done(store, f"a{i}", "owner-a")
+    for i in range(30):
+        await _done(store, f"c{i}", "owner-c")  # the store reaches its cap here
+    await _done(store, "b-new", "owner-b")
+    assert len(store) <= 200
+    assert store.owner_usage("owner-b")[0] == 21  # B lost nothing although its records were the oldest
+    assert store.owner_usage("owner-c")[0] == 30
+    assert store.owner_usage("owner-a")[0] < 150
+    assert await store.get("a0") is None  # A's own oldest went
+    assert await store.get("a149") is not None
+
+
+async def test_an_owner_stays_within_its_byte_share_and_the_others_keep_theirs() -> None:
+    mib = 1024 * 1024
+    store = MemoryStore(max_bytes=64 * mib)  # the default owner share: a quarter, 16 MiB
+    await _done(store, "b0", "owner-b", b"b" * (4 * mib))
+    for i in range(10):
+        await _done(store, f"a{i}", "owner-a", b"a" * (3 * mib))
+    assert store.owner_usage("owner-a")[1] <= 16 * mib
+    assert store.owner_usage("owner-b")[1] == 4 * mib
+    assert await store.get("a9") is not None
+    assert await store.get("a0") is None
+    big = b"x" * (20 * mib)  # larger than a share: kept, alone
+    await _done(store, "a-big", "owner-a", big)
+    assert store.owner_usage("owner-a") == (1, 20 * mib, 0)
+    assert await store.get("b0") is not None
+
+
+async def test_the_global_byte_cap_takes_from_the_owner_holding_the_most() -> None:
+    mib = 1024 * 1024
+    store = MemoryStore(max_bytes=64 * mib, max_owner_bytes=40 * mib)
+    await _done(store, "b0", "owner-b", b"b" * (10 * mib))
+    for i in range(4):
+        await _done(store, f"a{i}", "owner-a", b"a" * (10 * mib))
+    await _done(store, "c0", "owner-c", b"c" * (20 * mib))  # 70 MiB wanted: A (the largest) gives
+    assert store.stored_bytes <= 64 * mib
+    assert await store.get("b0") is not None
+    assert await store.get("c0") is not None
+    assert await store.get("a0") is None
+    assert store.owner_usage("owner-a")[1] == 30 * mib
+
+
+async def test_owner_bookkeeping_follows_expiry_release_and_forget() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    await _done(store, "a0", "owner-a", b"12345")
+    res = await store.claim("a1", "fp", lease_ms=LEASE_MS, owner="owner-a")
+    assert isinstance(res, Claimed)
+    await store.remember("resp:a", b"v", ttl_ms=TTL_MS, owner="owner-a")
+    assert store.owner_usage("owner-a") == (2, 5, 1)
+    assert await store.release("a1", res.token) is True
+    assert await store.forget("resp:a") is True
+    assert store.owner_usage("owner-a") == (1, 5, 0)
+    clock.now += TTL_MS / 1000 + 1
+    assert await store.get("a0") is None
+    assert store.owner_usage("owner-a") == (0, 0, 0)
+    assert store._owners == {}  # an owner holding nothing is not kept
+
+
+def test_max_owner_records_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_owner_records"):
+        MemoryStore(max_owner_records=0)
