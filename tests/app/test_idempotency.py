@@ -416,3 +416,28 @@ async def test_a_store_blip_after_the_response_does_not_lose_it() -> None:
     await claim.settle(StoredResponse(200, (), b"kept"))
     assert isinstance(await inner.get("k"), Completed)  # stored on the third try (after 0.25 s and 0.5 s)
     assert metrics.idempotency.labels("stored")._value.get() == 1
+
+
+# --- per-owner caps ----------------------------------------------------------------------------------------------
+
+
+async def test_one_api_key_filling_its_share_never_evicts_another_keys_records(
+    make_gateway: Callable[..., Any],
+) -> None:
+    gw = await make_gateway(idempotency_owner_records=3)
+    other = {"authorization": "Bearer k2"}
+    for key in ("b-1", "b-2"):
+        assert (await gw.chat(key, **other)).status_code == 200
+    for i in range(12):  # k1 writes four times its share
+        assert (await gw.chat(f"a-{i}")).status_code == 200
+    assert gw.posts() == 14
+    for key in ("b-1", "b-2"):  # k2's records survived: replayed, not run again
+        again = await gw.chat(key, **other)
+        assert again.status_code == 200
+        assert again.headers.get("idempotent-replayed") == "true"
+    newest = await gw.chat("a-11")
+    assert newest.headers.get("idempotent-replayed") == "true"
+    oldest = await gw.chat("a-0")  # k1's own oldest made room: it runs again
+    assert oldest.status_code == 200
+    assert "idempotent-replayed" not in oldest.headers
+    assert gw.posts() == 15
