@@ -16,9 +16,9 @@ import yaml
 
 from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
-from gateway.proxy.idempotency import tenant_scope
+from gateway.proxy.idempotency import store_owner, tenant_scope
 from gateway.proxy.owned_ids import mint_response_id
-from gateway.proxy.responses import Holder, record_key, recorder
+from gateway.proxy.responses import Holder, for_create, record_key, recorder
 from gateway.runtime.container import Runtime
 from gateway.store.base import StoreUnavailable
 from gateway.store.memory import MemoryStore
@@ -195,3 +195,25 @@ async def test_an_answer_under_another_id_is_not_recorded(gw: tuple[httpx.AsyncC
     created = {"type": "response.created", "response": {"id": minted}}
     await on_answer(pool, pool.endpoints[0], b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
     assert Holder.decode(await store.recall(record_key(scope, minted)) or b"") == Holder("spec", "spec-0", SPEC_URL)
+
+
+async def test_response_records_count_to_their_tenant_or_key(gw: tuple[httpx.AsyncClient, Runtime]) -> None:
+    _, rt = gw
+    store = MemoryStore(max_owner_records=2)
+    pool = rt.live.pools["spec"]
+    body = {"model": MODEL, "input": "x"}
+    ids: dict[str | None, list[str]] = {"acme": [], None: []}
+    for tenant in ("acme", None):
+        for _ in range(3):
+            sticky = await for_create(store, rt.live.pools, body, "Bearer k1", 60.0, tenant)
+            assert sticky.on_answer is not None
+            await sticky.on_answer(
+                pool, pool.endpoints[0], orjson.dumps({"id": sticky.response_id, "object": "response"})
+            )
+            ids[tenant].append(sticky.response_id)
+    scope = tenant_scope("Bearer k1")
+    assert store.owner_usage(store_owner("acme", scope)) == (0, 0, 2)
+    assert store.owner_usage(store_owner(None, scope)) == (0, 0, 2)
+    for rids in ids.values():  # each owner lost only its own oldest
+        kept = [await store.recall(record_key(scope, rid)) is not None for rid in rids]
+        assert kept == [False, True, True]
