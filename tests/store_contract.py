@@ -212,6 +212,17 @@ class OwnerCapContract:
             assert await capped.get(f"a{i}") == Running("fp")
         assert isinstance(await capped.claim("b0", "fp", lease_ms=LEASE_MS, owner="owner-b"), Claimed)
 
+    async def test_a_running_claim_is_passed_over_for_the_oldest_completed(self, capped: Store) -> None:
+        assert isinstance(await capped.claim("a0", "fp", lease_ms=LEASE_MS, owner="owner-a"), Claimed)
+        for i in range(1, OWNER_CAP):
+            await self._done(capped, f"a{i}", "owner-a")
+        for i in range(OWNER_CAP, OWNER_CAP + 2):
+            await self._done(capped, f"a{i}", "owner-a")
+        assert await capped.get("a0") == Running("fp")  # the oldest, still running: kept
+        assert await capped.get("a1") is None
+        assert await capped.get("a2") is None
+        assert await capped.get(f"a{OWNER_CAP + 1}") == Completed("fp", b"r")
+
     async def test_a_freed_claim_makes_room_again(self, capped: Store) -> None:
         tokens = []
         for i in range(OWNER_CAP):

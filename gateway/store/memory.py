@@ -308,9 +308,16 @@ class MemoryStore:
         if owner and o is not None and len(o.values) >= self._owner_max:  # the owner's own oldest goes first
             for k in list(itertools.islice(o.values, len(o.values) - self._owner_max + 1)):
                 self._drop_value(k)
-        if len(values) >= self._max:  # then the oldest of the owner holding the most values
-            largest = max(self._owners.items(), key=lambda item: len(item[1].values))[1]
-            self._drop_value(next(iter(largest.values)))
+        if len(values) >= self._max:  # then the oldest of the owners holding the most values, 1% below the cap
+            floor = self._max - 1 - self._max // 100
+            heap = [(-len(o.values), name) for name, o in self._owners.items() if o.values]
+            heapq.heapify(heap)
+            while heap and len(values) > floor:
+                _, name = heapq.heappop(heap)
+                o = self._owners[name]
+                self._drop_value(next(iter(o.values)))
+                if o.values:
+                    heapq.heappush(heap, (-len(o.values), name))
         values[key] = (now + ttl_ms / 1000, bytes(value), owner)
         self._owner(owner).values[key] = None
 

@@ -31,8 +31,10 @@ Per owner (the tenant, or the API key's scope; see ``gateway.store.base``): a so
 record keys, scores their write order (one more than the set's highest), written by the script that creates the
 record.
 Past ``max_owner_records`` the script makes room among that owner's oldest members: a member whose record expired or
-was deleted is removed, a completed claim (or any value) is deleted; a running claim is never dropped, and an owner
-whose oldest are all running claims has its new claim refused (``StoreUnavailable``, as a full ``MemoryStore``).
+was deleted is removed, a completed claim (or any value) is deleted; a running claim is never dropped but moved to
+the newest end (it will be dropped, once completed, after those completed before it). One claim looks at no more
+than 256 more than it must free; an owner with only running claims there has its new claim refused
+(``StoreUnavailable``, as a full ``MemoryStore``).
 A record created by another owner (a key that moved with a changed tenants file) is never deleted, only unlisted.
 Each set's TTL is renewed on every write (``owner_keep_ms``, at least the longest record TTL in use); records outlive
 a set only if kept longer than that, and then merely go uncounted. The caps count records, not bytes: Redis's own
@@ -89,13 +91,17 @@ if KEYS[2] then
   local cap = tonumber(ARGV[5])
   local excess = redis.call('ZCARD', KEYS[2]) - cap + 1
   if excess > 0 then
-    for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, excess + 63)) do
+    local top = tonumber(redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2]) or 0
+    for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, excess + 255)) do
       if excess <= 0 then break end
       local r = redis.call('HMGET', k, 's', 'o')
-      if r[1] == 'done' and r[2] == ARGV[7] then
-        redis.call('DEL', k)
-      end
-      if r[1] ~= 'running' or r[2] ~= ARGV[7] then
+      if r[1] == 'running' and r[2] == ARGV[7] then
+        top = top + 1
+        redis.call('ZADD', KEYS[2], top, k)
+      else
+        if r[1] == 'done' and r[2] == ARGV[7] then
+          redis.call('DEL', k)
+        end
         redis.call('ZREM', KEYS[2], k)
         excess = excess - 1
       end

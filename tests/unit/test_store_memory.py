@@ -310,3 +310,18 @@ async def test_owner_bookkeeping_follows_expiry_release_and_forget() -> None:
 def test_max_owner_records_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_owner_records"):
         MemoryStore(max_owner_records=0)
+
+
+async def test_the_full_value_store_drops_the_largest_owners_values_first() -> None:
+    store = MemoryStore(max_records=100, max_owner_records=80)
+    for i in range(10):
+        await store.remember(f"b{i}", b"v", ttl_ms=TTL_MS, owner="owner-b")  # the oldest, of the small owner
+    for i in range(80):
+        await store.remember(f"a{i}", b"v", ttl_ms=TTL_MS, owner="owner-a")
+    for i in range(11):
+        await store.remember(f"c{i}", b"v", ttl_ms=TTL_MS, owner="owner-c")
+    assert len(store._values) <= 100
+    assert store.owner_usage("owner-b")[2] == 10
+    assert store.owner_usage("owner-c")[2] == 11
+    assert await store.recall("a0") is None
+    assert await store.recall("a79") == b"v"
