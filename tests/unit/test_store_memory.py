@@ -325,3 +325,18 @@ async def test_the_full_value_store_drops_the_largest_owners_values_first() -> N
     assert store.owner_usage("owner-c")[2] == 11
     assert await store.recall("a0") is None
     assert await store.recall("a79") == b"v"
+
+
+def test_settings_bound_the_per_owner_caps() -> None:
+    base = {"SPECGATE_RULES": "r.yaml"}
+    s = Settings.from_env(
+        {**base, "SPECGATE_IDEMPOTENCY_OWNER_RECORDS": "50", "SPECGATE_IDEMPOTENCY_OWNER_BYTES": str(2 * 1024 * 1024)}
+    )
+    assert (s.idempotency_owner_records, s.idempotency_owner_bytes) == (50, 2 * 1024 * 1024)
+    store = build_store(None, owner_records=s.idempotency_owner_records, owner_bytes=s.idempotency_owner_bytes)
+    assert isinstance(store, MemoryStore)
+    assert (store._owner_max, store._owner_max_bytes) == (50, 2 * 1024 * 1024)
+    with pytest.raises(SettingsError, match="idempotency_owner_records"):
+        Settings.from_env({**base, "SPECGATE_IDEMPOTENCY_OWNER_RECORDS": "0"})
+    with pytest.raises(SettingsError, match="idempotency_owner_bytes"):
+        Settings.from_env({**base, "SPECGATE_IDEMPOTENCY_OWNER_BYTES": str(1024 * 1024 * 1024)})
