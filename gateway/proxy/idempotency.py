@@ -23,7 +23,8 @@ without ``"`` or ``\\``. Anything else, or the header sent twice, is 400 ``inval
 **Scope.** Keys are per caller: the store key is a hash of the caller's bearer token and the key, so one tenant
 can never read another's response. Without client authentication the bearer token the client sends still scopes
 its keys (no token: one shared ``anonymous`` scope); that separates well-behaved clients, it is no security
-boundary.
+boundary. Each record counts to its owner (``store_owner``: the tenant, else the key's scope), and the store caps
+what one owner keeps (``gateway.store.memory``), so one tenant's records never push out another's.
 
 **Fingerprint.** sha256 of the method, the path and the body re-serialised with sorted keys (orjson): the same JSON
 with other whitespace or key order is the same request; any changed value is another (422).
@@ -145,9 +146,12 @@ def tenant_scope(authorization: str | None) -> bytes:
 
 def store_owner(tenant: str | None, scope: bytes) -> str:
     """Whose records these are, for the store's per-owner caps: the tenant when tenants are configured (all its API
-    keys share one allowance), else the key's scope. Short and fixed in form; reveals no key."""
+    keys share one allowance), else the key's scope; "" for the anonymous scope, which then has only the store's
+    overall caps (as a single-user gateway always had). Short and fixed in form; reveals no key."""
     if tenant is not None:
         return "t:" + tenant
+    if scope == b"anonymous":  # no token (a gateway without client keys): no one in particular, no share of its own
+        return ""
     return "k:" + hashlib.sha256(scope).hexdigest()[:32]
 
 

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.config.settings import Settings, SettingsError
+from gateway.proxy.idempotency import store_owner, tenant_scope
 from gateway.store.base import Claimed, ClaimResult, Completed, Running, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
 from gateway.store.memory import MemoryStore
@@ -340,3 +341,12 @@ def test_settings_bound_the_per_owner_caps() -> None:
         Settings.from_env({**base, "SPECGATE_IDEMPOTENCY_OWNER_RECORDS": "0"})
     with pytest.raises(SettingsError, match="idempotency_owner_bytes"):
         Settings.from_env({**base, "SPECGATE_IDEMPOTENCY_OWNER_BYTES": str(1024 * 1024 * 1024)})
+
+
+def test_store_owner_names_the_tenant_or_the_key_and_no_one_for_anonymous() -> None:
+    scope = tenant_scope("Bearer k1")
+    assert store_owner("acme", scope) == "t:acme"
+    assert store_owner(None, scope).startswith("k:")
+    assert store_owner(None, scope) != store_owner(None, tenant_scope("Bearer k2"))
+    assert "k1" not in store_owner(None, scope)
+    assert store_owner(None, tenant_scope(None)) == ""
