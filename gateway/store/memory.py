@@ -36,6 +36,7 @@ import heapq
 import itertools
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,9 +51,11 @@ DEFAULT_MAX_OWNER_RECORDS = 10_000
 class _Owner:
     """One owner's share: its claims in creation/completion order, their response bytes, its remembered values."""
 
-    keys: dict[str, None] = field(default_factory=dict)
+    # OrderedDicts: the oldest is found in O(1) however many were deleted before it (a plain dict's iteration would
+    # step over the holes its deletions left at the front, once per eviction).
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
     bytes: int = 0
-    values: dict[str, None] = field(default_factory=dict)
+    values: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True)
@@ -271,8 +274,7 @@ class MemoryStore:
         o.bytes += len(response)
         del self._records[key]  # re-insert at the end: completion order drives eviction
         self._records[key] = rec
-        del o.keys[key]
-        o.keys[key] = None
+        o.keys.move_to_end(key)
         self._set_expiry(key, rec, now + ttl_ms / 1000)
         self._prune(now)
         return True
