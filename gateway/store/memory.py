@@ -24,10 +24,10 @@ particular and has no cap of its own), so that one owner's records never push ou
 - an owner holds at most ``max_owner_records`` claims and, separately, as many remembered values; past that its
   *own* oldest completed claim (oldest value) goes first. An owner whose claims are all running gets
   ``StoreUnavailable`` for one more, like the full store;
-- an owner's stored responses stay within ``max_owner_bytes``: completing drops that owner's oldest completed
-  records first (one response larger than the cap alone is still kept, alone, within ``max_bytes``);
+- an owner's stored responses stay within ``max_owner_bytes`` (0, the default: a quarter of ``max_bytes``):
+  completing drops that owner's oldest completed records first (one response larger than the cap alone is still kept, alone, within ``max_bytes``);
 - when the whole store is at ``max_records`` or ``max_bytes``, the records dropped are those of the owner holding
-  the most (records, or bytes), its oldest completed first; never a smaller owner's while a larger one has some.
+  the most (records, or bytes) at each step, its oldest completed first.
 """
 
 from __future__ import annotations
