@@ -25,7 +25,8 @@ particular and has no cap of its own), so that one owner's records never push ou
   *own* oldest completed claim (oldest value) goes first. An owner whose claims are all running gets
   ``StoreUnavailable`` for one more, like the full store;
 - an owner's stored responses stay within ``max_owner_bytes`` (0, the default: a quarter of ``max_bytes``):
-  completing drops that owner's oldest completed records first (one response larger than the cap alone is still kept, alone, within ``max_bytes``);
+  completing drops that owner's oldest completed records first (one response larger than the share is still kept,
+  alone, within ``max_bytes``);
 - when the whole store is at ``max_records`` or ``max_bytes``, the records dropped are those of the owner holding
   the most (records, or bytes) at each step, its oldest completed first.
 """
