@@ -110,15 +110,6 @@ def tenants_yaml(flood_rpm: int, steady_weight: float = 2.0) -> dict[str, Any]:
     }
 
 
-def sim_has_priority() -> bool:
-    """The simulator runs vLLM's ``--scheduling-policy priority`` (then the pool is marked so, and the gateway sends
-    each tenant's priority in the body)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "gateway", "sim", "--help"], capture_output=True, text=True, timeout=60, check=False
-    )
-    return "--scheduling-policy" in out.stdout
-
-
 def rules_yaml(port: int, max_num_seqs: int, priority: bool = False) -> dict[str, Any]:
     return {
         "version": 1,
@@ -225,9 +216,10 @@ def bench_tenants(
     py = sys.executable
     sim_cmd = [py, "-m", "gateway", "sim", MODEL, "--port", str(sim_port), "--time-scale", str(time_scale)]
     sim_cmd += ["--max-num-seqs", str(max_num_seqs), "--output-len-median", str(output_len), "--seed", str(seed)]
-    priority = sim_has_priority()
-    if priority:
-        sim_cmd += ["--scheduling-policy", "priority"]
+    # The simulator schedules by the body's priority as vLLM's --scheduling-policy priority does; the pool is marked
+    # so, and the gateway sends each tenant's priority.
+    priority = True
+    sim_cmd += ["--scheduling-policy", "priority"]
     procs: list[subprocess.Popen[bytes]] = [subprocess.Popen(sim_cmd)]
     try:
         with tempfile.TemporaryDirectory(prefix="specgate-bench-tenants-") as tmp:
