@@ -92,6 +92,13 @@ def bench_policies_cmd(
         "bench-results/policies"
     ),
     jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
+    gateway_workers: Annotated[
+        int,
+        typer.Option(
+            help="Gateway processes sharing the port, each with its own state and prefix indexes (as replicas behind "
+            "a balancer without session affinity)."
+        ),
+    ] = 1,
 ) -> None:
     """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive, vllm-router peers) on
     simulated pools across offered loads: report.md, PNG plots, raw JSONL. A multi-turn mix (one with
@@ -105,6 +112,8 @@ def bench_policies_cmd(
     try:
         if repeats < 1:
             raise ValueError("--repeats must be at least 1")
+        if not 1 <= gateway_workers <= 16:
+            raise ValueError("--gateway-workers must be 1 to 16")
         setup = Setup(
             controller_time_scale=controller_time_scale,
             time_scale=time_scale,
@@ -115,6 +124,7 @@ def bench_policies_cmd(
             repeats=repeats,
             warmup_s=warmup,
             min_requests=min_requests,
+            gateway_workers=gateway_workers,
         ).fleet_from(fleet)
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         the_mix = load_mix(mix)
