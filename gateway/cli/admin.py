@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from types import MappingProxyType
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import httpx
@@ -425,14 +425,35 @@ _HELP_TAIL = f"\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN."
 # ``weight POOL -1``: a negative number is the weight (refused by its range, saying so), not an option
 _NUMBERS_ARE_ARGUMENTS = MappingProxyType({"ignore_unknown_options": True})
 
-COMMANDS = (
+COMMANDS: tuple[Command, ...] = (
     Command("explain", explain_command, "Why a request would go where it goes: asks a running gateway's admin API."),
-    Command("pools", pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load." + _HELP_TAIL),
-    Command("weight", weight_command, "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests." + _HELP_TAIL, _NUMBERS_ARE_ARGUMENTS),
+    Command(
+        "pools",
+        pools_command,
+        "Pools and endpoints: health, configured and effective weights, in-flight, load." + _HELP_TAIL,
+    ),
+    Command(
+        "weight",
+        weight_command,
+        "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests." + _HELP_TAIL,
+        _NUMBERS_ARE_ARGUMENTS,
+    ),
     Command("drain", drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish." + _HELP_TAIL),
     Command("undrain", undrain_command, "End a pool's drain." + _HELP_TAIL),
-    Command("force", force_command, "Force a traffic class to its standard or speculative pool for --ttl; auto ends it." + _HELP_TAIL),
+    Command(
+        "force",
+        force_command,
+        "Force a traffic class to its standard or speculative pool for --ttl; auto ends it." + _HELP_TAIL,
+    ),
     Command("overrides", overrides_command, "The active overrides; --remove ID --reason … removes one." + _HELP_TAIL),
-    Command("audit", audit_command, "The audit log: every admin change, expiry and controller transition, with why." + _HELP_TAIL),
-    Command("reload", reload_command, "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes)." + _HELP_TAIL),
+    Command(
+        "audit",
+        audit_command,
+        "The audit log: every admin change, expiry and controller transition, with why." + _HELP_TAIL,
+    ),
+    Command(
+        "reload",
+        reload_command,
+        "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes)." + _HELP_TAIL,
+    ),
 )

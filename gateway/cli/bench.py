@@ -239,8 +239,7 @@ def bench_baseline_cmd(
     out.print(escape(f"written to {out_file}"), highlight=False)
 
 
-
-COMMANDS = (
+COMMANDS: tuple[Command, ...] = (
     Command("overhead", bench_overhead_cmd),
     Command("controller", bench_controller_cmd),
     Command("tenants", bench_tenants_cmd),

@@ -174,7 +174,7 @@ def bench_reference_cmd(
     out.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
-COMMANDS = (
+COMMANDS: tuple[Command, ...] = (
     Command("load", bench_load_cmd),
     Command("policies", bench_policies_cmd),
     Command("reference", bench_reference_cmd),

@@ -8,8 +8,9 @@ and ``build`` adds them to their group. ``serve``'s options are built from ``Set
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -37,7 +38,7 @@ EPP_SETTINGS = (
     "admin_port",
     "redis_url",
 )
-EPP_CHANGES = {
+EPP_CHANGES: dict[str, dict[str, Any]] = {
     "port": {"default": 9002, "env": "SPECGATE_EPP_PORT", "help": "gRPC port of the ext_proc service."},
     "max_body_bytes": {"help": "Largest request body classified."},
     "api_keys": {"instead": ""},  # no keys file here
@@ -158,7 +159,7 @@ def demo(
         raise _fail(str(exc)) from exc
 
 
-COMMANDS = (
+COMMANDS: tuple[Command, ...] = (
     Command("serve", serve),
     Command("epp", epp),
     Command("validate", validate),
@@ -178,11 +179,11 @@ def build() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     top.callback()(_main)
-    groups = [(top, COMMANDS + admin.COMMANDS)]
-    for name, help_text, commands in SUBGROUPS:
+    groups: list[tuple[typer.Typer, Sequence[Command]]] = [(top, COMMANDS + admin.COMMANDS)]
+    for name, help_text, listed in SUBGROUPS:
         group = typer.Typer(help=help_text, no_args_is_help=True)
         top.add_typer(group, name=name)
-        groups.append((group, commands))
+        groups.append((group, listed))
     for group, commands in groups:
         for c in commands:
             context = dict(c.context_settings) if c.context_settings is not None else None

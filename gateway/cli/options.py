@@ -18,7 +18,7 @@ import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields, replace
-from typing import Annotated, Any, Literal, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, cast, get_origin, get_type_hints
 
 import typer
 
@@ -95,7 +95,7 @@ def parameter(option: Option) -> inspect.Parameter:
         hidden=option.secret,
         callback=_refuse_on_command_line(option) if option.secret else None,
     )
-    annotation = Annotated[option.kind, info]  # type: ignore[valid-type]
+    annotation = cast(Any, Annotated)[option.kind, info]
     return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=annotation)
 
 

@@ -47,5 +47,4 @@ def report_weekly_cmd(
         out.print(escape(f"written to {out_file}"), highlight=False)
 
 
-
-COMMANDS = (Command("weekly", report_weekly_cmd),)
+COMMANDS: tuple[Command, ...] = (Command("weekly", report_weekly_cmd),)

@@ -2,8 +2,9 @@
 
 Each field is declared once (``gateway.config.setting_spec.setting``): type, default, help text, bounds, and
 whether it has a flag. Its variable is ``SPECGATE_`` + the upper-case field name; ``specgate serve``'s flags are
-built from the fields (``gateway.cli.options``). With several workers, the parent writes the resolved settings to the environment and each worker
-reads them back with ``Settings.from_env`` (uvicorn starts workers from an import string).
+built from the fields (``gateway.cli.options``). With several workers, the parent writes the resolved settings
+to the environment and each worker reads them back with ``Settings.from_env`` (uvicorn starts workers from an
+import string).
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ class Settings:
     workers: int = setting(1, "Worker processes.", min=1)
     max_body_bytes: int = setting(8 * MIB, "Largest accepted request body.", min=1024)
     # request line + header lines of one request (gateway/proxy/limits.py)
-    max_header_bytes: int = setting(
-        64 * 1024, "Largest request head (request line + headers); past it: 431.", min=1024
-    )
+    max_header_bytes: int = setting(64 * 1024, "Largest request head (request line + headers); past it: 431.", min=1024)
     max_headers: int = setting(100, "Most header fields in one request; past it: 431.", min=8)
     max_json_depth: int = setting(
         128, f"Deepest nesting of a request body (<= {MAX_JSON_DEPTH}); past it: 400.", min=1, max=MAX_JSON_DEPTH
@@ -78,8 +77,7 @@ class Settings:
     )
     idempotency_owner_bytes: int = setting(
         0,
-        "Stored responses of the in-memory store per tenant (or API key); 0: a quarter of "
-        "--idempotency-memory-bytes.",
+        "Stored responses of the in-memory store per tenant (or API key); 0: a quarter of --idempotency-memory-bytes.",
     )
     # Client connections (gateway/proxy/limits.py, docs/limits.md): time bounds before a request reaches the app, and
     # open connections per listener of this process.

@@ -163,7 +163,8 @@ def test_a_bad_value_gets_the_same_error_by_flag_and_by_variable(
 def test_a_secret_is_refused_as_a_flag_and_taken_from_its_variable(started: list[Settings]) -> None:
     r = CliRunner().invoke(app, ["serve", "--rules", "r.yaml", "--api-keys", "sk-secret"])
     assert r.exit_code == 2
-    assert "SPECGATE_API_KEYS" in r.output and "sk-secret" not in r.output
+    assert "SPECGATE_API_KEYS" in r.output
+    assert "sk-secret" not in r.output
     r = CliRunner().invoke(app, ["serve", "--rules", "r.yaml"], env={"SPECGATE_API_KEYS": "sk-secret"})
     assert r.exit_code == 0, r.output
     assert started[0].client_api_keys() == {"sk-secret"}
@@ -182,7 +183,7 @@ def test_one_reading_of_true_and_false() -> None:
         assert parse_bool(raw) is True
     for raw in ("0", "FALSE", "no", "off"):
         assert parse_bool(raw) is False
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected true or false"):
         parse_bool("maybe")
     for name in ("cluster", "per_worker_state", "tracing"):
         with pytest.raises(SettingsError, match=env_name(name)):
@@ -200,6 +201,7 @@ def test_epp_shares_the_fields_it_names() -> None:
         assert p.help == change.get("help", spec_of(f).help), name
         if f.default is not dataclasses.MISSING:
             assert p.default == change.get("default", f.default), name
-    assert params["port"].envvar == "SPECGATE_EPP_PORT" and params["port"].default == 9002
+    assert params["port"].envvar == "SPECGATE_EPP_PORT"
+    assert params["port"].default == 9002
     assert params["api_keys"].hidden
     assert {"metrics_port", "usage_bytes", "kube_selector", "kube_namespace", "kube_port"} <= set(params)
