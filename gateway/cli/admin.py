@@ -421,39 +421,32 @@ def _print_reload(data: dict[str, Any]) -> None:
         out.print(_overrides_table(dropped, title, out.width))
 
 
-_HELP_TAIL = f"\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN."
-# ``weight POOL -1``: a negative number is the weight (refused by its range, saying so), not an option
-_NUMBERS_ARE_ARGUMENTS = MappingProxyType({"ignore_unknown_options": True})
+def _on_call(name: str, run: Callable[..., None], help_text: str, numbers_are_arguments: bool = False) -> Command:
+    """An on-call command: its help ends with the exit codes. ``numbers_are_arguments``: ``weight POOL -1`` reads
+    -1 as the weight (refused by its range, saying so), not as an option."""
+    context = MappingProxyType({"ignore_unknown_options": True}) if numbers_are_arguments else None
+    return Command(name, run, f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.", context)
+
 
 COMMANDS: tuple[Command, ...] = (
     Command("explain", explain_command, "Why a request would go where it goes: asks a running gateway's admin API."),
-    Command(
-        "pools",
-        pools_command,
-        "Pools and endpoints: health, configured and effective weights, in-flight, load." + _HELP_TAIL,
-    ),
-    Command(
+    _on_call("pools", pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load."),
+    _on_call(
         "weight",
         weight_command,
-        "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests." + _HELP_TAIL,
-        _NUMBERS_ARE_ARGUMENTS,
+        "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests.",
+        numbers_are_arguments=True,
     ),
-    Command("drain", drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish." + _HELP_TAIL),
-    Command("undrain", undrain_command, "End a pool's drain." + _HELP_TAIL),
-    Command(
-        "force",
-        force_command,
-        "Force a traffic class to its standard or speculative pool for --ttl; auto ends it." + _HELP_TAIL,
+    _on_call("drain", drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish."),
+    _on_call("undrain", undrain_command, "End a pool's drain."),
+    _on_call(
+        "force", force_command, "Force a traffic class to its standard or speculative pool for --ttl; auto ends it."
     ),
-    Command("overrides", overrides_command, "The active overrides; --remove ID --reason … removes one." + _HELP_TAIL),
-    Command(
-        "audit",
-        audit_command,
-        "The audit log: every admin change, expiry and controller transition, with why." + _HELP_TAIL,
-    ),
-    Command(
+    _on_call("overrides", overrides_command, "The active overrides; --remove ID --reason … removes one."),
+    _on_call("audit", audit_command, "The audit log: every admin change, expiry and controller transition, with why."),
+    _on_call(
         "reload",
         reload_command,
-        "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes)." + _HELP_TAIL,
+        "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes).",
     ),
 )
