@@ -61,11 +61,18 @@ def options_of(cls: type[Any], names: Sequence[str] | None = None) -> list[Optio
         spec = spec_of(f)
         if spec.source not in ("option", "secret") or (names is not None and f.name not in names):
             continue
-        default = inspect.Parameter.empty if f.default is MISSING else f.default
-        flag = flag_name(f.name)
-        secret = spec.source == "secret"
-        out.append(Option(f.name, flag, env_name(f.name), default, cli_type(hints[f.name]), spec.help, secret,
-                          spec.instead))  # fmt: skip
+        out.append(
+            Option(
+                name=f.name,
+                flag=flag_name(f.name),
+                env=env_name(f.name),
+                default=inspect.Parameter.empty if f.default is MISSING else f.default,
+                kind=cli_type(hints[f.name]),
+                help=spec.help,
+                secret=spec.source == "secret",
+                instead=spec.instead,
+            )
+        )
     return out
 
 
@@ -107,6 +114,9 @@ def settings_command(
     own."""
     hints = get_type_hints(cls)
     names = [f.name for f in fields(cls)] if names is None else names
+    unknown = (set(names) | set(changes or {})) - set(hints)
+    if unknown:  # a misspelt name would otherwise drop its option without a word
+        raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}")
     options = [replace(o, **(changes or {}).get(o.name, {})) for o in options_of(cls, names)]
     from_env = [f.name for f in fields(cls) if f.name in names and spec_of(f).source == "env"]
 
