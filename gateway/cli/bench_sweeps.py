@@ -1,5 +1,5 @@
-"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (registered on the
-``bench`` command group by the CLI's entry module)."""
+"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (listed in the
+``bench`` group's commands by ``gateway.cli.bench``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,8 @@ from typing import Annotated
 
 import typer
 
+from gateway.cli.console import Command, out
 from gateway.cli.console import fail as _fail
-from gateway.cli.console import out
-
-
-def register(bench_app: typer.Typer) -> None:
-    """Add the sweep commands to ``bench_app``."""
-    bench_app.command("load")(bench_load_cmd)
-    bench_app.command("policies")(bench_policies_cmd)
-    bench_app.command("reference")(bench_reference_cmd)
 
 
 def bench_load_cmd(
@@ -189,3 +182,10 @@ def bench_reference_cmd(
     if out_file is not None:
         out_file.write_text(text)
     out.print(text, highlight=False, soft_wrap=True, markup=False)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("load", bench_load_cmd),
+    Command("policies", bench_policies_cmd),
+    Command("reference", bench_reference_cmd),
+)
