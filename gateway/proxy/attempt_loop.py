@@ -38,13 +38,16 @@ from gateway.proxy.wire import SSEOverflow, SSESplitter
 from gateway.routing.attempts import (
     AttemptFailure,
     AttemptPolicy,
-    BudgetLease,
     PoolStatusError,
     StreamStartError,
     candidates,
     exhausted,
     status_result,
 )
+
+# An attempt's request body; the model it asks for when not the requested one; whether the gateway added the usage
+# chunk to a stream (to strip it again); the request's body with the usage option, once built (b"": not wanted).
+Body = tuple[bytes, str | None, bool, bytes | None]
 
 
 @dataclass(slots=True)
@@ -71,106 +74,94 @@ async def open_upstream(
 ) -> Opened:
     """The attempt loop up to the commit point. The request holds a retry-budget lease from its first attempt until
     its upstream response is closed; every retry it was granted counts as long."""
-    lease = policy.budget.lease()
-    try:
-        opened = await _attempts(job, pools, clients, rng, metrics, policy, lease)
-    except BaseException:
-        lease.close()
-        raise
-    opened.response.on_close = lease.close
-    return opened
-
-
-async def _attempts(
-    job: ProxyJob,
-    pools: Mapping[str, PoolState],
-    clients: Mapping[str, PoolClient],
-    rng: random.Random,
-    metrics: GatewayMetrics,
-    policy: AttemptPolicy,
-    lease: BudgetLease,
-) -> Opened:
     rec = job.record
     failures: list[AttemptFailure] = []
     full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
     sent = 0
     usage_body: bytes | None = None  # the body with stream_options.include_usage, once built (not when b"")
     tries = candidates(job.plan, pools, rng, job.prompt) if job.pinned is None else iter((job.pinned,))
-    for pool, ep in tries:
-        if sent >= job.max_attempts:
-            break
-        if pool.name in full:
-            continue
-        if job.pinned is None and not _admitted(job, policy, pool):
-            full.append(pool.name)
-            continue
-        if failures and failures[-1].backpressure and policy.busy(pool, ep):
-            continue  # after back-pressure, only an endpoint with headroom is worth a try
-        if failures or full:
-            last = failures[-1] if failures else None
-            if last is not None and not lease.try_retry():
-                metrics.attempt_done(pool.name, "budget_exhausted")
-                raise exhausted(failures, budget_refused=True)
-            from_pool, why = (last.pool, last.result) if last is not None else (full[-1], "admission")
-            if from_pool != pool.name:
-                metrics.fallbacks.labels(rec.traffic_class, from_pool, pool.name, why).inc()
-        sent += 1
-        client = clients[pool.name]
-        headers = upstream_request_headers(
-            job.client_headers, request_id=rec.request_id, api_key=client.api_key, forwarded_for=job.forwarded_for
-        )
-        span = None
-        if rec.trace is not None:  # tracing on: the attempt's CLIENT span, and its traceparent to the pool
-            span = rec.trace.send_attempt(
-                headers, full, pool.name, pool.spec.kind, ep.id, ep.url, job.plan.model_for(pool.name)
+    lease = policy.budget.lease()
+    try:
+        for pool, ep in tries:
+            if sent >= job.max_attempts:
+                break
+            if pool.name in full:
+                continue
+            if job.pinned is None and not _admitted(job, policy, pool):
+                full.append(pool.name)
+                continue
+            if failures and failures[-1].backpressure and policy.busy(pool, ep):
+                continue  # after back-pressure, only an endpoint with headroom is worth a try
+            if failures or full:
+                last = failures[-1] if failures else None
+                if last is not None and not lease.try_retry():
+                    metrics.attempt_done(pool.name, "budget_exhausted")
+                    raise exhausted(failures, budget_refused=True)
+                from_pool, why = (last.pool, last.result) if last is not None else (full[-1], "admission")
+                if from_pool != pool.name:
+                    metrics.fallbacks.labels(rec.traffic_class, from_pool, pool.name, why).inc()
+            sent += 1
+            client = clients[pool.name]
+            headers = upstream_request_headers(
+                job.client_headers, request_id=rec.request_id, api_key=client.api_key, forwarded_for=job.forwarded_for
             )
-        started = time.perf_counter()
-        if rec.upstream_start is None:
-            rec.upstream_start = started
-        ep.in_flight += 1
-        metrics.pool_in_flight(pool.name).inc()
-        if job.ticket is not None:
-            job.ticket.enter(pool.name)
-        if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt
-            metrics.prefix_sent(pool.name, ep.id, len(job.prompt), ep.prefixes.record(job.prompt))
-        opened: Opened | None = None
-        try:
-            body, model, strip, usage_body = _request_body(job, pool, usage_body)
-            opened = await _attempt(job, pool, ep, client, headers, body, model, strip)
-        except UpstreamError as exc:
-            result = policy.classify(pool, ep, exc)
-            status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
+            span = None
+            if rec.trace is not None:  # tracing on: the attempt's CLIENT span, and its traceparent to the pool
+                span = rec.trace.send_attempt(
+                    headers, full, pool.name, pool.spec.kind, ep.id, ep.url, job.plan.model_for(pool.name)
+                )
+            started = time.perf_counter()
+            if rec.upstream_start is None:
+                rec.upstream_start = started
+            ep.in_flight += 1
+            metrics.pool_in_flight(pool.name).inc()
+            if job.ticket is not None:
+                job.ticket.enter(pool.name)
+            if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt
+                metrics.prefix_sent(pool.name, ep.id, len(job.prompt), ep.prefixes.record(job.prompt))
+            opened: Opened | None = None
+            try:
+                out = _request_body(job, pool, usage_body)
+                usage_body = out[3]
+                opened = await _attempt(job, pool, ep, client, headers, out)
+            except UpstreamError as exc:
+                result = policy.classify(pool, ep, exc)
+                status = exc.upstream_status if isinstance(exc, PoolStatusError) else None
+                if span is not None and rec.trace is not None:
+                    rec.trace.attempt_failed(span, status, result)
+                    span = None
+                rec.attempt(pool.name, ep.id, started, status, exc.message)
+                metrics.attempt_done(pool.name, result)
+                # Kept without its traceback: that holds this frame, which holds the failure (a cycle per request)
+                failures.append(AttemptFailure(pool.name, ep.id, exc.with_traceback(None), result))
+                policy.failed(ep, exc, pools.values(), result)
+                if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
+                    metrics.limit_refused(exc.limit)
+                    raise
+                if isinstance(exc, UpstreamInvalidResponse):  # a status the gateway never relays: 502 now
+                    raise
+                continue
+            finally:
+                if opened is None:
+                    ep.in_flight -= 1
+                    metrics.pool_in_flight(pool.name).dec()
+                    if job.ticket is not None:
+                        job.ticket.leave(pool.name)
+                    if span is not None and rec.trace is not None:  # cancelled (the client left), or a bug
+                        rec.trace.attempt_failed(span, None, "cancelled")
+            status = opened.response.status
             if span is not None and rec.trace is not None:
-                rec.trace.attempt_failed(span, status, result)
-                span = None
-            rec.attempt(pool.name, ep.id, started, status, exc.message)
-            metrics.attempt_done(pool.name, result)
-            # Kept without its traceback: that holds this frame, which holds the failure (a cycle per request)
-            failures.append(AttemptFailure(pool.name, ep.id, exc.with_traceback(None), result))
-            policy.failed(ep, exc, pools.values(), result)
-            if isinstance(exc, UpstreamResponseTooLarge):  # not retried: 502 now (UpstreamResponseTooLarge)
-                metrics.limit_refused(exc.limit)
-                raise
-            if isinstance(exc, UpstreamInvalidResponse):  # a status the gateway never relays: 502 now
-                raise
-            continue
-        finally:
-            if opened is None:
-                ep.in_flight -= 1
-                metrics.pool_in_flight(pool.name).dec()
-                if job.ticket is not None:
-                    job.ticket.leave(pool.name)
-                if span is not None and rec.trace is not None:  # cancelled (the client left), or a bug
-                    rec.trace.attempt_failed(span, None, "cancelled")
-        status = opened.response.status
-        if span is not None and rec.trace is not None:
-            first = rec.upstream_first
-            rec.trace.attempt_answered(span, status, None if first is None else first - started)
-        rec.attempt(pool.name, ep.id, started, status, None)
-        metrics.attempt_done(pool.name, status_result(status))
-        policy.answered(ep, status, pools.values())
-        return opened
-    raise policy.gave_up(failures, full)
+                first = rec.upstream_first
+                rec.trace.attempt_answered(span, status, None if first is None else first - started)
+            rec.attempt(pool.name, ep.id, started, status, None)
+            metrics.attempt_done(pool.name, status_result(status))
+            policy.answered(ep, status, pools.values())
+            opened.response.on_close = lease.close
+            return opened
+        raise policy.gave_up(failures, full)
+    except BaseException:
+        lease.close()
+        raise
 
 
 def _admitted(job: ProxyJob, policy: AttemptPolicy, pool: PoolState) -> bool:
@@ -190,14 +181,7 @@ def _admitted(job: ProxyJob, policy: AttemptPolicy, pool: PoolState) -> bool:
 
 
 async def _attempt(
-    job: ProxyJob,
-    pool: PoolState,
-    ep: EndpointState,
-    client: PoolClient,
-    headers: dict[str, str],
-    body: bytes,
-    model: str | None,
-    strip: bool,
+    job: ProxyJob, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str], out: Body
 ) -> Opened:
     """One attempt up to the commit point: headers, and for a stream its first whole event.
 
@@ -206,28 +190,21 @@ async def _attempt(
     answer arrives whole when generation is done, so only ``total_s`` bounds it.
     """
     if not job.stream:
-        return await _post(job, pool, ep, client, headers, body, model, strip)
+        return await _post(job, pool, ep, client, headers, out)
     deadline = job.plan.ttft_deadline_s or client.first_byte_s
     try:
         async with asyncio.timeout(deadline):
-            return await _post(job, pool, ep, client, headers, body, model, strip)
+            return await _post(job, pool, ep, client, headers, out)
     except TimeoutError as exc:
         raise UpstreamTimeout(f"no first event from {ep.id} within {deadline:g}s") from exc
 
 
 async def _post(
-    job: ProxyJob,
-    pool: PoolState,
-    ep: EndpointState,
-    client: PoolClient,
-    headers: dict[str, str],
-    body: bytes,
-    model: str | None,
-    strip: bool,
+    job: ProxyJob, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str], out: Body
 ) -> Opened:
     """Send the attempt, and read a whole answer (not a stream, or a stream's error answer: relayed with its status)
     or a stream's first whole event."""
-    rec = job.record
+    rec, (body, model, strip, _) = job.record, out
     resp = await client.post(ep, job.path, body, headers, method=job.method)
     try:
         await check_status(pool, resp)
@@ -262,12 +239,10 @@ async def _post(
         raise
 
 
-def _request_body(
-    job: ProxyJob, pool: PoolState, usage_body: bytes | None
-) -> tuple[bytes, str | None, bool, bytes | None]:
-    """The body of an attempt on ``pool`` (with the tenant's ``priority`` for a pool that schedules by it); the
-    model it asks for when not the requested one (the class's ``route.fallback_model``); whether the gateway added
-    the usage chunk to a stream (to strip it again); and the usage body, built once per request (b"": not wanted)."""
+def _request_body(job: ProxyJob, pool: PoolState, usage_body: bytes | None) -> Body:
+    """The ``Body`` of an attempt on ``pool``: with the class's ``route.fallback_model`` where it asks for another
+    model, the usage option for a stream to a speculative pool, the tenant's ``priority`` for a pool that schedules
+    by it. ``usage_body``: the one an earlier attempt built (None: none yet)."""
     body, model, strip = job.body, job.plan.model_for(pool.name), False
     usage = job.stream and pool.spec.kind == "speculative" and job.dialect.asks_usage
     dumps = job.serialize or orjson.dumps

@@ -64,6 +64,10 @@ class ProxyExchange:
     commit point, then the relay of the chosen pool's response, then the record (metrics, log line, stored result).
     Called once. An exception before the commit point is answered here (``error_response``) and raised again."""
 
+    _opened: Opened | None  # the attempt that answered, until its response is closed
+    _tap: StreamTap | None  # reads a speculative pool's stream for its spec-decode metrics
+    presence: ClientPresence
+
     __slots__ = (
         "_opened",
         "_tap",
@@ -88,19 +92,13 @@ class ProxyExchange:
         rng: random.Random,
         policy: AttemptPolicy | None = None,
     ) -> None:
-        self.job = job
         if policy is None:  # a private budget (tests); the gateway passes its process-wide one
             defaults = Defaults()
             policy = AttemptPolicy(lambda: defaults, metrics)
-        self.policy = policy
-        self.pools = pools
-        self.clients = clients
-        self.metrics = metrics
-        self.access_log = access_log
-        self.rng = rng
-        self.committed = False
-        self._opened: Opened | None = None
-        self._tap: StreamTap | None = None
+        self.job, self.pools, self.clients = job, pools, clients
+        self.metrics, self.access_log, self.rng = metrics, access_log, rng
+        self.policy, self.committed = policy, False
+        self._opened = self._tap = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; the client's presence is watched beside it (gateway.proxy.presence).

@@ -18,8 +18,8 @@ from gateway.config.settings import Settings
 from gateway.errors import BadRequest
 from gateway.proxy import front as front_module
 from gateway.proxy.app import PROXY_ROUTES, GatewayApp, create_app
-from gateway.proxy.http import exception_handlers
 from gateway.proxy.front import ProxyRoute
+from gateway.proxy.http import exception_handlers
 from gateway.proxy.intake import classified
 
 RULES = Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"
