@@ -127,7 +127,7 @@ class GatewayApp:
         await self.starlette(scope, receive, send)
 
 
-class _Routed:
+class Routed:
     """A proxied route that Starlette's router matches (a path with a parameter, or one of the unclassified
     POSTs): the same front half as the dispatcher's table."""
 
@@ -197,11 +197,11 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> GatewayApp
             await rt.stop()
 
     routes = [
-        Route(RETRIEVE.path, _Routed(rt, RETRIEVE), methods=["GET"]),
-        Route(DELETE.path, _Routed(rt, DELETE), methods=["DELETE"]),
-        Route(CANCEL.path, _Routed(rt, CANCEL), methods=["POST"]),
-        Route(TOKENIZE.path, _Routed(rt, TOKENIZE), methods=["POST"]),
-        Route(DETOKENIZE.path, _Routed(rt, DETOKENIZE), methods=["POST"]),
+        Route(RETRIEVE.path, Routed(rt, RETRIEVE), methods=["GET"]),
+        Route(DELETE.path, Routed(rt, DELETE), methods=["DELETE"]),
+        Route(CANCEL.path, Routed(rt, CANCEL), methods=["POST"]),
+        Route(TOKENIZE.path, Routed(rt, TOKENIZE), methods=["POST"]),
+        Route(DETOKENIZE.path, Routed(rt, DETOKENIZE), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
