@@ -31,7 +31,7 @@ from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.proxy.attempt_loop import Opened, open_upstream
 from gateway.proxy.headers import client_response_headers
-from gateway.proxy.http import error_response
+from gateway.proxy.http import error_response, is_bug
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.outcome import outcome_of, relayed
 from gateway.proxy.presence import ClientPresence
@@ -122,9 +122,11 @@ class ProxyExchange:
             # A bug, not an upstream failure: say so in the metrics, and never end a stream cleanly on it.
             rec.outcome = "gateway_error"
             rec.error = "internal error in the gateway"
-            if not self.committed:
+            if not self.committed:  # answered as the front half answers (gateway.proxy.front.serve)
                 await error_response(exc, scope["method"], rec.path)(scope, receive, send)
-                raise  # for the server's log
+                if is_bug(exc):
+                    raise  # for the server's log
+                return
             if not presence.last_send:
                 presence.last_send = True
                 with contextlib.suppress(Exception):
