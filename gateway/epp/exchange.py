@@ -22,19 +22,11 @@ from gateway.errors import GatewayError, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.metrics import Outcome
 from gateway.proxy.headers import request_id
-from gateway.proxy.intake import outcome_for
+from gateway.proxy.outcome import outcome_of, relayed
 from gateway.proxy.record import RequestRecord
 from gateway.runtime.container import Runtime
 
 UPSTREAM_ADDRESS = "upstream.address"
-
-
-def _outcome(status: int) -> Outcome:
-    if status < 400:
-        return "ok"
-    if status < 500:
-        return "client_error"
-    return "upstream_error"
 
 
 def served_address(request: ProcessingRequest) -> str | None:
@@ -120,7 +112,7 @@ class Exchange:
         if rec is not None:
             rec.status, rec.error = exc.status, exc.message
             extra.append(("x-request-id", rec.request_id))
-        self.refused = "overloaded" if exc.code == "overloaded" else outcome_for(exc.status)
+        self.refused = outcome_of(exc)
         if exc.code == "overloaded":
             planned = rec.traffic_class if rec is not None else "none"
             self.rt.metrics.shed.labels(planned, "none", "admission").inc()
@@ -183,6 +175,6 @@ class Exchange:
         if self.refused is not None:
             rec.finish(self.refused, self.rt.metrics, self.rt.access_log)
         elif self.status:  # the time to first token is not seen here (the response body is not read)
-            rec.finish(_outcome(self.status), self.rt.metrics, self.rt.access_log)
+            rec.finish(relayed(self.status), self.rt.metrics, self.rt.access_log)
         else:
             rec.finish("client_disconnect", self.rt.metrics, self.rt.access_log)
