@@ -366,6 +366,9 @@ def epp(
         )
     except SettingsError as exc:
         raise _fail(str(exc)) from exc
+    from gateway.epp.tuning import prefer_poller_io
+
+    prefer_poller_io()  # before gRPC is imported (gateway.cli.epp imports it)
     try:
         from gateway.cli.epp import run_epp
     except ImportError as exc:  # the optional extra is not installed
