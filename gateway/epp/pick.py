@@ -19,7 +19,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.acceptance import temperature_band
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
-from gateway.proxy.json_depth import check_json_containers, check_json_depth
+from gateway.proxy.json_depth import bracket_count, check_json_containers, check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
@@ -140,9 +140,12 @@ def pick(
     rt.authenticate(headers.get("authorization"))
     if len(raw) > rt.settings.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
-    check_json_containers(raw, rt.settings.max_json_containers)
+    brackets = bracket_count(raw)  # one count decides both checks for most bodies, as in proxy mode
+    if brackets > rt.settings.max_json_containers:  # before parsing: a flood of tiny containers is slow to parse
+        check_json_containers(raw, rt.settings.max_json_containers)
     body = parse_object(raw)
-    check_json_depth(raw, rt.settings.max_json_depth)
+    if brackets > rt.settings.max_json_depth:
+        check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live
     d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
     extra: list[tuple[str, str]] = []
