@@ -67,9 +67,9 @@ def address(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if sep and scheme in ("http", "https"):
         netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
-        host, colon, port = netloc.rpartition(":")
-        if colon and port.isdigit() and host and not any(c in host for c in "[]@:"):
-            return f"{host.lower()}:{int(port)}"
+        name, colon, digits = netloc.rpartition(":")
+        if colon and digits.isdigit() and name and not any(c in name for c in "[]@:"):
+            return f"{name.lower()}:{int(digits)}"
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
