@@ -100,6 +100,9 @@ def epp(
     ] = 8000,
 ) -> None:
     """Run as an Endpoint Picker: Envoy's ext_proc service that names the vLLM endpoint of each request."""
+    from gateway.epp.tuning import prefer_poller_io
+
+    prefer_poller_io()  # before gRPC is imported (gateway.cli.epp imports it)
     try:
         from gateway.cli.epp import run_epp
     except ImportError as exc:  # the optional extra is not installed

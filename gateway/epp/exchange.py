@@ -16,7 +16,7 @@ import time
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest, ProcessingResponse
 
 from gateway.epp import messages
-from gateway.epp.pick import DESTINATION_HEADER, Pick, address, pick
+from gateway.epp.pick import DESTINATION_HEADER, Pick, pick
 from gateway.epp.usage import UsageReader
 from gateway.errors import GatewayError, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
@@ -99,7 +99,7 @@ class Exchange:
         self.picked = p
         rec.route_reason = p.route_reason
         first = p.endpoints[0]
-        self._hold(p.pools[address(first.url)], first)
+        self._hold(p.pools[p.addrs[0]], first)
         rec.upstream_start = time.perf_counter()
         addresses = p.addresses()
         if on_body:
@@ -144,13 +144,7 @@ class Exchange:
         rec.status = self.status
         rec.upstream_first = time.perf_counter()
         served = served_address(request)
-        pool_ep = None
-        if served is not None:
-            pool = p.pools.get(served)
-            if pool is not None:
-                ep = next((e for e in p.endpoints if address(e.url) == served), None)
-                if ep is not None:
-                    pool_ep = (pool, ep)
+        pool_ep = p.served(served) if served is not None else None
         if pool_ep is None and self.holding is not None:
             pool_ep = self.holding
         out: list[tuple[str, str]] = [("x-request-id", rec.request_id), *p.headers]
