@@ -24,7 +24,7 @@ from typing import Any
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.routing.attempts import would_strand
-from gateway.routing.controller_rules import RouteState
+from gateway.routing.controller_rules import ControllerState
 
 VERSION = 1
 MAX_SNAPSHOT_BYTES = 4 * 1024 * 1024  # a snapshot read from Redis larger than this is ignored (and counted)
@@ -170,9 +170,9 @@ def load_views(snapshot: Mapping[str, Any]) -> dict[str, PoolLoadView]:
     return out
 
 
-def class_shares(snapshot: Mapping[str, Any]) -> dict[str, tuple[RouteState, float]]:
+def class_shares(snapshot: Mapping[str, Any]) -> dict[str, tuple[ControllerState, float]]:
     """Each controlled class's (route state, speculative share) as the leader's controller has it."""
-    out: dict[str, tuple[RouteState, float]] = {}
+    out: dict[str, tuple[ControllerState, float]] = {}
     classes = snapshot.get("classes")
     if not isinstance(classes, dict):
         return out

@@ -18,7 +18,7 @@ from gateway.config.schema import PoolKind
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.batch_slope import PoolSpeeds
 from gateway.routing.controller import Controller
-from gateway.routing.controller_rules import RouteState
+from gateway.routing.controller_rules import ControllerState
 from gateway.routing.estimate import AcceptanceSource, Estimate, Observation, estimate, rate_from_per_token
 
 DRAFT_TOKENS = "specgate_class_draft_tokens"
@@ -30,7 +30,7 @@ DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither pool h
 class RouteChoice:
     """The controller's answer for one request of a class."""
 
-    state: RouteState  # the class's route state: speculative | split | standard
+    state: ControllerState  # the class's route state: speculative | split | standard
     pick: PoolKind  # this request's first pool kind (drawn with probability ``share`` while split)
     share: float  # the class's share of requests sent to the speculative pool first
     forced: bool = False  # an on-call class route (``set_forced``) decided: ``pick`` is the forced kind

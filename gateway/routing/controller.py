@@ -44,10 +44,10 @@ from gateway.config.schema import ControllerConfig, PoolKind
 from gateway.routing.controller_rules import (
     LOAD_REASONS,
     SHARE,
+    ControllerState,
     Guard,
     Holding,
     Reason,
-    RouteState,
     Situation,
     Verdict,
     evaluate,
@@ -65,8 +65,8 @@ class Transition:
     """A change of a class's route state: one metric increment, one log line, one audit record."""
 
     class_name: str
-    from_state: RouteState
-    to_state: RouteState
+    from_state: ControllerState
+    to_state: ControllerState
     reason: Reason
     at: float
     detail: str = ""
@@ -79,7 +79,7 @@ class ControllerSnapshot:
     """For /admin/state and explain."""
 
     class_name: str
-    state: RouteState
+    state: ControllerState
     share: float  # of the class's requests sent to the speculative pool first
     since: float  # of the current state
     share_since: float  # of the current share
@@ -114,7 +114,7 @@ class Controller:
         class_name: str,
         config: ControllerConfig,
         *,
-        initial: RouteState = "speculative",
+        initial: ControllerState = "speculative",
         now: float = 0.0,
         baseline_p95_s: float | None = None,
         share: float | None = None,
@@ -144,7 +144,7 @@ class Controller:
         self._last_now = now
 
     @property
-    def state(self) -> RouteState:
+    def state(self) -> ControllerState:
         return label(self._share)
 
     @property

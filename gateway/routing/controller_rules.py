@@ -44,7 +44,9 @@ from typing import Literal, get_args
 from gateway.config.schema import ControllerConfig, PoolKind
 from gateway.routing.estimate import Observation
 
-RouteState = Literal["speculative", "split", "standard"]
+# Where a class's controller sends it: all to the speculative pool, a share each way, or all to the standard pool
+# (not ``routing_state.RoutingState``, which holds every class's controller).
+ControllerState = Literal["speculative", "split", "standard"]
 Reason = Literal[
     "min_samples",
     "load",
@@ -154,7 +156,7 @@ def _adjust(rule: str, proposal: Proposal) -> Verdict:
     return Verdict(rule, "adjust", proposal=proposal)
 
 
-def label(share: float) -> RouteState:
+def label(share: float) -> ControllerState:
     return "speculative" if share >= 1.0 else "standard" if share <= 0.0 else "split"
 
 

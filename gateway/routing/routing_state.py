@@ -68,7 +68,7 @@ from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, class_dra
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Transition
-from gateway.routing.controller_rules import RouteState
+from gateway.routing.controller_rules import ControllerState
 from gateway.routing.estimate import (
     per_token_acceptance,
     prior_rate,
@@ -78,7 +78,7 @@ from gateway.routing.ownership import outranked, standing_of, visitor_limit, vis
 logger = logging.getLogger("specgate.controller")
 
 SEEN_WEIGHT = 0.05  # weight of one request's temperature in its class's mean: about the last 20 requests
-STATES: tuple[RouteState, ...] = ("speculative", "split", "standard")
+STATES: tuple[ControllerState, ...] = ("speculative", "split", "standard")
 
 
 class RoutingState:
@@ -105,7 +105,7 @@ class RoutingState:
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
         self._forced: dict[str, tuple[PoolKind, float]] = {}
         # A follower of a cluster routes on the leader's decisions (``adopt``): class → (state, share).
-        self._adopted: dict[str, tuple[RouteState, float]] = {}
+        self._adopted: dict[str, tuple[ControllerState, float]] = {}
         self._adopted_detail: dict[str, dict[str, Any]] = {}  # the leader's controller snapshots of those classes
         self._adopted_probe: dict[str, float] = {}  # and their probe shares
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
@@ -118,7 +118,7 @@ class RoutingState:
 
     # -- the hot path ----------------------------------------------------------------------------------------
 
-    def state_of(self, class_name: str) -> RouteState | None:
+    def state_of(self, class_name: str) -> ControllerState | None:
         """The class's route state; None when the class has no controller."""
         c = self._classes.get(class_name)
         return None if c is None else c.controller.state
@@ -172,7 +172,7 @@ class RoutingState:
 
     def adopt(
         self,
-        shares: Mapping[str, tuple[RouteState, float]],
+        shares: Mapping[str, tuple[ControllerState, float]],
         details: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """Route on another replica's controllers: class → (state, share), for the classes this process controls
@@ -357,7 +357,7 @@ class RoutingState:
         }
         log_event(logger, "controller_step", line)
 
-    def _set_gauge(self, class_name: str, state: RouteState, share: float) -> None:
+    def _set_gauge(self, class_name: str, state: ControllerState, share: float) -> None:
         for s in STATES:
             self.route_state.labels(class_name, s).set(1 if s == state else 0)
         self.share.labels(class_name).set(share)

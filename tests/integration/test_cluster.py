@@ -17,7 +17,7 @@ import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config.settings import Settings
-from gateway.routing.controller_rules import RouteState
+from gateway.routing.controller_rules import ControllerState
 from gateway.runtime.container import Runtime
 from gateway.testing.fake_upstream import FakeConfig
 from gateway.testing.fake_upstream.app import create_fake_upstream
@@ -190,7 +190,7 @@ async def test_followers_route_on_the_leaders_class_share(
     # A change of the leader's class state (here an on-call style force on the leader's controller only).
     c = leader.routing._classes["precise"].controller
     c.force("standard", time.monotonic(), ttl_s=60)
-    want: tuple[RouteState, float] = (c.state, c.share)
+    want: tuple[ControllerState, float] = (c.state, c.share)
     assert want[0] == "standard"
 
     def agree() -> bool:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gateway.config.schema import ControllerConfig, PoolKind, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.controller import Controller, Transition
-from gateway.routing.controller_rules import LOAD_REASONS, REASONS, SAFETY_REASONS, RouteState
+from gateway.routing.controller_rules import LOAD_REASONS, REASONS, SAFETY_REASONS, ControllerState
 from gateway.routing.estimate import Observation, estimate
 
 BASE: dict[str, Any] = {
@@ -183,8 +183,8 @@ def test_a_step_in_load_moves_the_class_within_one_window_plus_the_hold_time(hol
 
 
 @pytest.mark.parametrize("safe", ["standard", "speculative"])
-def test_stale_data_leads_to_the_safe_state_not_to_acceptance_zero(safe: RouteState) -> None:
-    start: RouteState = "speculative" if safe == "standard" else "standard"
+def test_stale_data_leads_to_the_safe_state_not_to_acceptance_zero(safe: ControllerState) -> None:
+    start: ControllerState = "speculative" if safe == "standard" else "standard"
     c = Controller("json", cfg(safe_state=safe), initial=start)
     [t] = drive(c, [ob(1.0, 1.0, stale=True, acc=None) for _ in range(200)])
     assert (t.to_state, t.reason, t.at) == (safe, "stale", 0.0)
@@ -357,7 +357,7 @@ def test_transitions_respect_the_cap_and_the_hold_time(
     seq: list[tuple[float, Observation]],
     hold: float,
     cap: int,
-    safe: RouteState,
+    safe: ControllerState,
     queues: bool,
     step: float,
     home: PoolKind,
