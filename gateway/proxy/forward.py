@@ -262,7 +262,7 @@ class ProxyExchange:
                 break
             if pool.name in full:
                 continue
-            if job.pinned is None and not self._admitted(pool):
+            if job.pinned is None and not await self._admitted(pool):
                 full.append(pool.name)
                 continue
             if failures and failures[-1].backpressure and policy.busy(pool, ep):
@@ -332,20 +332,14 @@ class ProxyExchange:
             return opened
         raise policy.gave_up(failures, full)
 
-    def _admitted(self, pool: PoolState) -> bool:
-        """Admission control. With tenants (gateway.routing.fairshare): at the bound, a tenant at or under its fair
-        share (or of a better priority) still gets in while another is above its share; below it, a tenant above its
-        share leaves the last free slots to the others."""
+    async def _admitted(self, pool: PoolState) -> bool:
+        """Admission control. With tenants (``Ticket.admission``): fair share and priority at the bound, and at the
+        plan's last pool a bounded wait for a slot, best priority and fair share first."""
         ticket, policy = self.job.ticket, self.policy
         if ticket is None:
             return policy.admits(pool)
-        in_flight, bound = policy.admission(pool)
-        if bound is None:
-            return True
-        if in_flight < bound and not ticket.holds_back(pool.name, in_flight, bound):
-            return True
-        # At the bound, or held back from the last free slots: never worse off than at the bound.
-        return ticket.admit_at_bound(pool.name, in_flight, bound)
+        last = self.job.plan.pools[-1] == pool.name
+        return await ticket.admission(pool.name, lambda: policy.admission(pool), last)
 
     async def _attempt(self, pool: PoolState, ep: EndpointState, client: PoolClient, headers: dict[str, str]) -> Opened:
         """One attempt up to the commit point: headers, and for a stream its first whole event.

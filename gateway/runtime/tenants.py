@@ -14,7 +14,7 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +22,17 @@ from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFil
 from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
+from gateway.routing.waiting_room import WaitingRoom, Waiter
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
 logger = logging.getLogger("specgate")
 
 PRIORITY_HEADER = "x-specgate-priority"
+# A waiter looks again this often even when no request of this process left the pool: slots freed by another replica
+# (shared counts), a bound raised by a reload or an endpoint back, a better band that now lets it in.
+_RECHECK_S = 0.1
+Load = Callable[[], tuple[int, int | None]]  # a pool's requests in flight against its admission bound
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d{1,12})')
 
 
@@ -112,6 +117,56 @@ class Ticket:
                 counts[self.tenant.name] = left
             else:
                 counts.pop(self.tenant.name, None)
+            self.tenancy.pump(pool)
+
+    async def admission(self, pool: str, load: Load, can_wait: bool) -> bool:
+        """Admission control with tenants: below the bound admitted (unless held back from the last free slots), at
+        it admitted by fair share and priority (``gateway.routing.fairshare``); otherwise, where the request has no
+        other pool to go to (``can_wait``), it waits in the pool's waiting room (``gateway.routing.waiting_room``)
+        up to ``waiting.wait_s``. False: shed."""
+        tenancy = self.tenancy
+        in_flight, bound = load()
+        if bound is None:
+            return True
+        room = tenancy.rooms.get(pool)
+        if room is not None and room.waiters:
+            tenancy.pump(pool, load)  # slots freed where no request of this process left: the waiters' first
+        taken = in_flight + (room.granted if room is not None else 0)
+        if taken < bound and not self.holds_back(pool, taken, bound):
+            return True
+        if self.admit_at_bound(pool, taken, bound):
+            return True
+        wait_s = tenancy.waiting_s
+        if not can_wait or wait_s <= 0:
+            return False
+        if room is None:
+            room = tenancy.rooms[pool] = WaitingRoom()
+        room.load = load
+        counts = tenancy.pool_counts.get(pool, {})
+        waiter = room.join(self.name, self.priority, tenancy.weights[self.name].weight, counts, tenancy.room_size)
+        if waiter is None:
+            return False
+        admitted = False
+        try:
+            admitted = await self._wait(waiter, room, pool, load, wait_s)
+            return admitted
+        finally:
+            if room.done(waiter) and not admitted:
+                tenancy.pump(pool)  # granted, then cancelled before entering: the slot goes to the next waiter
+
+    async def _wait(self, waiter: Waiter, room: WaitingRoom, pool: str, load: Load, wait_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.wait((waiter.future,), timeout=min(left, _RECHECK_S))
+            if not waiter.future.done():
+                self.tenancy.pump(pool, load)
+            if waiter.future.done():
+                return waiter.future.result()
+            in_flight, bound = load()
+            if bound is None or self.admit_at_bound(pool, in_flight + room.granted, bound):
+                return True
+        return False
 
     def admit_at_bound(self, pool: str, in_flight: int, bound: int | None) -> bool:
         """The pool is at its admission bound: is this request admitted anyway (``gateway.routing.fairshare``)?"""
@@ -126,7 +181,8 @@ class Ticket:
         counts = self.tenancy.pool_counts.get(pool)
         if bound is None or not counts:
             return False
-        return hold_back(self.tenant.name, counts, self.tenancy.weights, bound, in_flight, self.priority)
+        tenancy = self.tenancy
+        return hold_back(self.tenant.name, counts, tenancy.weights, bound, in_flight, self.priority, tenancy.best)
 
     def observe(self, data: bytes) -> None:
         """A body or event of the answer: keep the usage it reports (tenants with a tokens limit only)."""
@@ -175,9 +231,36 @@ class Tenancy:
             self._by_digest.setdefault(hashlib.sha256(key.encode()).digest(), anonymous)
         # The requests of each tenant in flight per pool, in this process (fair share at the admission bound).
         self.pool_counts: dict[str, dict[str, int]] = {}
+        # Each full pool's waiters (created at the first wait), and how long and how many may wait.
+        self.rooms: dict[str, WaitingRoom] = {}
+        self.best = min(w.priority for w in self.weights.values())  # the best priority configured (the fast lane)
+        self.waiting_s = float(spec.waiting.wait_s)
+        self.room_size = spec.waiting.max_waiting_per_pool
         self._tasks: set[asyncio.Task[None]] = set()
         for name in self.tenants:  # every label present from the start
             metrics.in_flight.labels(name).set(0)
+
+    def pump(self, pool: str, load: Load | None = None) -> None:
+        """Slots of ``pool`` may have freed: hand them to its best waiters (a waiter above its share still leaves
+        the last free slots to the other tenants, as ``hold_back`` says)."""
+        room = self.rooms.get(pool)
+        if room is None or not room.waiters:
+            return
+        in_flight, bound = (load or room.load)()
+        if bound is None:
+            room.grant(len(room.waiters), {}, lambda w, c: False)
+            return
+        taken = in_flight + room.granted
+        if taken >= bound:
+            return
+        weights = self.weights
+
+        def held_back(w: Waiter, counts: Mapping[str, int]) -> bool:
+            now = taken + sum(counts.values()) - sum(base.values())
+            return hold_back(w.tenant, counts, weights, bound, now, w.priority, self.best)
+
+        base = self.pool_counts.get(pool, {})
+        room.grant(bound - taken, base, held_back)
 
     def describe(self, bounds: Mapping[str, int | None]) -> list[dict[str, Any]]:
         """Each tenant now, for ``/admin/state`` and the console: its settings, its requests in flight and, in each
