@@ -14,13 +14,14 @@ more requests in, so the pool comes back under the bound as theirs finish. The o
 under their share get in past the bound, so in-flight stays under ``2 x bound`` (a hard cap here as well).
 
 Just below the bound (``hold_back``), a request of a tenant above its share leaves the last free slots to the
-others: one for each tenant of a better priority holding requests in the pool and one for each tenant of its
-band under its share. And while a better priority is configured, no request of a worse one takes the pool's last
-free slot, whoever holds it: the fast lane for the better priority's next request. Without that, a flood refills every slot the moment it frees, and every request of the other tenants
-arrives at a full pool and waits in vLLM's queue past the bound: vLLM's priority policy orders its queue, and
-preempts only when the KV cache is full, not when the batch is, so even a request of the best priority waits there
-for the next sequence to finish. With it, their next request finds a free slot of the batch. It costs one slot
-per other tenant present, only to tenants above their share, and the fast lane's one slot to the worse priorities.
+others: one for each tenant of a better priority holding requests in the pool and one for each tenant of its band
+under its share. And while a better priority is configured, no request of a worse one takes the pool's last free
+slot, whoever holds it: the fast lane for the better priority's next request. Without that, a flood refills every
+slot the moment it frees, and the other tenants' requests arrive at a full pool and wait in vLLM's queue past the
+bound: vLLM's priority policy orders its queue, and preempts when the KV cache is full, not when the batch is, so
+even a request of the best priority waits there for the next sequence to finish. With it, their next request finds
+a free slot of the batch. It costs one slot per other tenant present, only to tenants above their share, and the
+fast lane's one slot to the worse priorities.
 
 Pure: plain numbers in, a decision out.
 """

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 # (priority, requests in the pool per unit of weight, arrival): the smallest is served first, the largest shed first.
 Rank = tuple[int, float, int]
+HeldBack = Callable[["Waiter", Mapping[str, int]], bool]  # must this waiter leave the free slot to others?
 
 
 @dataclass(slots=True, eq=False)

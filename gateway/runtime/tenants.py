@@ -22,7 +22,7 @@ from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFil
 from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
-from gateway.routing.waiting_room import WaitingRoom, Waiter
+from gateway.routing.waiting_room import Waiter, WaitingRoom
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 

@@ -171,9 +171,9 @@ def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
     weights = {**W, "steady": TenantWeight(2.0, 0)}
     counts = {"flood": 4, "steady": 8, "gold": 3}
     assert not hold_back("steady", counts, weights, bound=16, in_flight=14)
-    # The 16th slot is gold's fast lane; steady, within its share, still gets in past it (as at the bound).
+    # The 16th slot is gold's fast lane: nobody is above its share, so steady waits for another slot.
     assert hold_back("steady", counts, weights, bound=16, in_flight=15)
-    assert admit_at_bound("steady", counts, weights, bound=16, in_flight=15)
+    assert not admit_at_bound("steady", counts, weights, bound=16, in_flight=15)
     assert admit_at_bound("steady", {"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16)
 
 
