@@ -48,7 +48,8 @@ def test_a_full_room_sheds_its_worst_waiter_for_a_better_one_and_refuses_a_worse
         counts = {"low": 3}
         first = room.join("low", 0, 1.0, counts, 2)
         second = room.join("low", 0, 1.0, counts, 2)
-        assert first is not None and second is not None
+        assert first is not None
+        assert second is not None
         assert room.join("low", 0, 1.0, counts, 2) is None  # the same rank, later: refused
         high = room.join("high", -1, 1.0, counts, 2)
         assert high is not None
@@ -65,8 +66,10 @@ def test_granting_stops_at_a_waiter_that_must_leave_the_slot_to_others() -> None
         room = WaitingRoom()
         w = room.join("low", 0, 1.0, {}, 5)
         assert room.grant(3, {}, lambda waiter, counts: True) == 0
-        assert w is not None and not w.future.done()
-        assert room.done(w) is False and len(room) == 0
+        assert w is not None
+        assert not w.future.done()
+        assert room.done(w) is False
+        assert len(room) == 0
 
     asyncio.run(run())
 
@@ -109,7 +112,8 @@ def test_a_high_priority_request_is_admitted_before_earlier_waiters() -> None:
         await asyncio.sleep(0.01)
         waiting.append(asyncio.create_task(request("high")))
         await asyncio.sleep(0.01)
-        assert order == [] and len(t.rooms["std"]) == 3
+        assert order == []
+        assert len(t.rooms["std"]) == 3
         while holders:  # the pool drains, newest first: each slot freed goes to the best waiter
             pool["n"] -= 1
             holders.pop().finish("ok", True)
