@@ -15,11 +15,12 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFile
 from gateway.errors import BadRequest, RateLimited, Unauthorized
+from gateway.observability.recent_counts import RecentCounts
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
 from gateway.routing.waiting_room import Waiter, WaitingRoom
@@ -76,6 +77,8 @@ class TenantState:
     in_flight: int = 0
     shed: int = 0  # since start, in this process (for /admin/state and the console)
     limited: int = 0
+    # Shed and limited in the last few minutes, in this process (the console's panel).
+    recent: RecentCounts = field(default_factory=lambda: RecentCounts(("shed", "limited")))
 
 
 class Ticket:
@@ -283,6 +286,7 @@ class Tenancy:
                     "in_flight": state.in_flight,
                     "shed": state.shed,
                     "limited": state.limited,
+                    "recent": {"window_s": state.recent.window_s, **state.recent.totals()},
                     "limits": None if spec is None else spec.limits.model_dump(),
                     "pools": pools,
                 }
@@ -336,6 +340,7 @@ class Tenancy:
         if spec is not None:
             if tenant.max_concurrent is not None and tenant.in_flight >= tenant.max_concurrent:
                 tenant.limited += 1
+                tenant.recent.add("limited")
                 self.metrics.limited.labels(tenant.name, "concurrent").inc()
                 self.metrics.requests.labels(tenant.name, "limited").inc()
                 raise RateLimited(
@@ -351,6 +356,7 @@ class Tenancy:
                 if not got.allowed:
                     kind = got.refused_by or "requests"
                     tenant.limited += 1
+                    tenant.recent.add("limited")
                     self.metrics.limited.labels(tenant.name, kind).inc()
                     self.metrics.requests.labels(tenant.name, "limited").inc()
                     raise _limited(tenant.name, kind, got, cost, headers)
@@ -374,6 +380,7 @@ class Tenancy:
         m.requests.labels(tenant.name, outcome).inc()
         if outcome == "overloaded":
             tenant.shed += 1
+            tenant.recent.add("shed")
             m.shed.labels(tenant.name).inc()
         if ticket.reserved <= 0 or tenant.spec is None:
             return
