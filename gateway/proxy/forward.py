@@ -262,7 +262,7 @@ class ProxyExchange:
                 break
             if pool.name in full:
                 continue
-            if job.pinned is None and not await self._admitted(pool):
+            if job.pinned is None and not (policy.admits(pool) if job.ticket is None else await self._admitted(pool)):
                 full.append(pool.name)
                 continue
             if failures and failures[-1].backpressure and policy.busy(pool, ep):
@@ -333,8 +333,9 @@ class ProxyExchange:
         raise policy.gave_up(failures, full)
 
     async def _admitted(self, pool: PoolState) -> bool:
-        """Admission control. With tenants (``Ticket.admission``): fair share and priority at the bound, and at the
-        plan's last pool a bounded wait for a slot, best priority and fair share first."""
+        """Admission control with tenants (``Ticket.admission``): fair share and priority at the bound, and at the
+        plan's last pool a bounded wait for a slot, best priority and fair share first. Without tenants
+        ``policy.admits`` alone (the loop calls it directly: no coroutine per attempt)."""
         ticket, policy = self.job.ticket, self.policy
         if ticket is None:
             return policy.admits(pool)

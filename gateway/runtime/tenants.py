@@ -32,7 +32,7 @@ logger = logging.getLogger("specgate")
 PRIORITY_HEADER = "x-specgate-priority"
 # A waiter looks again this often even when no request of this process left the pool: slots freed by another replica
 # (shared counts), a bound raised by a reload or an endpoint back, a better band that now lets it in.
-_RECHECK_S = 0.1
+_RECHECK_S = 0.25
 Load = Callable[[], tuple[int, int | None]]  # a pool's requests in flight against its admission bound
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d{1,12})')
 
