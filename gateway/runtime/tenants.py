@@ -267,8 +267,14 @@ class Tenancy:
 
     def describe(self, bounds: Mapping[str, int | None]) -> list[dict[str, Any]]:
         """Each tenant now, for ``/admin/state`` and the console: its settings, its requests in flight and, in each
-        pool it has requests in, how many against its fair share of the pool's bound (``bounds``)."""
+        pool it has requests in, how many against its fair share of the pool's bound (``bounds``), and its requests
+        waiting in each pool's waiting room."""
         out = []
+        waiting: dict[str, dict[str, int]] = {}
+        for pool, room in self.rooms.items():
+            for waiter in room.waiters:
+                mine = waiting.setdefault(waiter.tenant, {})
+                mine[pool] = mine.get(pool, 0) + 1
         for name, state in self.tenants.items():
             w = self.weights[name]
             pools = {}
@@ -289,6 +295,7 @@ class Tenancy:
                     "recent": {"window_s": state.recent.window_s, **state.recent.totals()},
                     "limits": None if spec is None else spec.limits.model_dump(),
                     "pools": pools,
+                    "waiting": waiting.get(name, {}),
                 }
             )
         return out

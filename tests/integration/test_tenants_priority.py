@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.admin.app import state_dict
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
@@ -103,6 +104,8 @@ def test_a_high_priority_request_is_admitted_before_earlier_low_priority_waiters
     sent.send("b2", BATCH)
     sent.send("b3", BATCH)
     assert wait_for(lambda: "std" in tenancy.rooms and len(tenancy.rooms["std"]) == 2)
+    shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}  # /admin/state, the console's panel
+    assert (shown["batch"]["waiting"], shown["online"]["waiting"]) == ({"std": 2}, {})
     sent.send("o1", ONLINE)  # after both batch waiters: it takes the fast lane, and vLLM's next place
     sent.join()
     assert sent.statuses == {"b1": 200, "b2": 200, "b3": 200, "o1": 200}

@@ -254,7 +254,8 @@ function tenantRow(t) {
   const pools = Object.entries(t.pools || {}).map(([pool, p]) => {
     const over = p.share !== null && p.in_flight > p.share;
     const share = p.share === null ? "–" : num(p.share, 1);
-    return h("div", {}, `${pool}: ${p.in_flight} of share ${share} (bound ${p.bound === null ? "–" : p.bound}) `, over ? badge("above share", "warn") : null);
+    const queued = (t.waiting || {})[pool];
+    return h("div", {}, `${pool}: ${p.in_flight} of share ${share} (bound ${p.bound === null ? "–" : p.bound}) `, over ? badge("above share", "warn") : null, queued ? badge(`${queued} waiting`, "warn") : null);
   });
   return h(
     "tr",
