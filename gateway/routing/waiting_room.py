@@ -14,7 +14,8 @@ priority, and within it the tenant furthest above its share, goes first), else i
 A slot handed to a waiter counts as taken (``granted``) until the waiter has entered the pool or given up, so a
 request arriving meanwhile does not take it twice.
 
-No I/O: futures on the running event loop, plain numbers in.
+No I/O: futures on the running event loop, plain numbers in (``load``: the pool's requests in flight against its
+admission bound, read when slots are counted).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from gateway.routing.fairshare import TenantWeight, hold_back
+
 # (priority, requests in the pool per unit of weight, arrival): the smallest is served first, the largest shed first.
 Rank = tuple[int, float, int]
 HeldBack = Callable[["Waiter", Mapping[str, int]], bool]  # must this waiter leave the free slot to others?
+Load = Callable[[], tuple[int, int | None]]
 
 
 @dataclass(slots=True, eq=False)
@@ -52,7 +56,7 @@ class WaitingRoom:
         self.granted = 0  # slots handed to waiters that have not entered the pool yet
         self._seq = 0
         # The pool's requests in flight against its admission bound (the latest joiner's view of the pool).
-        self.load: Callable[[], tuple[int, int | None]] = lambda: (0, None)
+        self.load: Load = lambda: (0, None)
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -107,4 +111,40 @@ class WaitingRoom:
             return True
         if not waiter.future.done():
             waiter.future.cancel()
+        return False
+
+    def refill(
+        self, counts: Mapping[str, int], weights: Mapping[str, TenantWeight], best: int, load: Load | None = None
+    ) -> None:
+        """Slots may have freed: hand the free ones (below the bound, less those granted already) to the best
+        waiters; a waiter above its share still leaves the last free slots to the other tenants, and a worse
+        priority the fast lane (``gateway.routing.fairshare.hold_back``). ``counts``: the pool's requests per
+        tenant; ``best``: the best priority configured."""
+        if not self.waiters:
+            return
+        in_flight, bound = (load or self.load)()
+        if bound is None:
+            self.grant(len(self.waiters), counts, lambda w, c: False)
+            return
+        taken = in_flight + self.granted
+        if taken >= bound:
+            return
+        base = sum(counts.values())
+
+        def held_back(w: Waiter, now: Mapping[str, int]) -> bool:
+            return hold_back(w.tenant, now, weights, bound, taken + sum(now.values()) - base, w.priority, best)
+
+        self.grant(bound - taken, counts, held_back)
+
+    async def wait(self, waiter: Waiter, wait_s: float, recheck_s: float, look_again: Callable[[], bool]) -> bool:
+        """Wait up to ``wait_s`` for ``waiter``'s slot: True when one is its (handed to it, or ``look_again``, asked
+        every ``recheck_s``, says it may go in); False when shed (by a better arrival, or at the deadline)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.wait((waiter.future,), timeout=min(left, recheck_s))
+            if not waiter.future.done() and look_again():
+                return True
+            if waiter.future.done():
+                return waiter.future.result()
         return False

@@ -23,7 +23,7 @@ from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.recent_counts import RecentCounts
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
-from gateway.routing.waiting_room import Waiter, WaitingRoom
+from gateway.routing.waiting_room import WaitingRoom
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
@@ -149,27 +149,21 @@ class Ticket:
         waiter = room.join(self.name, self.priority, tenancy.weights[self.name].weight, counts, tenancy.room_size)
         if waiter is None:
             return False
+
+        def look_again() -> bool:  # no slot handed to it yet: freed elsewhere, or a better band lets it in now?
+            tenancy.pump(pool, load)
+            if waiter.future.done():
+                return False
+            in_flight, bound = load()
+            return bound is None or self.admit_at_bound(pool, in_flight + room.granted, bound)
+
         admitted = False
         try:
-            admitted = await self._wait(waiter, room, pool, load, wait_s)
+            admitted = await room.wait(waiter, wait_s, _RECHECK_S, look_again)
             return admitted
         finally:
             if room.done(waiter) and not admitted:
                 tenancy.pump(pool)  # granted, then cancelled before entering: the slot goes to the next waiter
-
-    async def _wait(self, waiter: Waiter, room: WaitingRoom, pool: str, load: Load, wait_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while (left := deadline - loop.time()) > 0:
-            await asyncio.wait((waiter.future,), timeout=min(left, _RECHECK_S))
-            if not waiter.future.done():
-                self.tenancy.pump(pool, load)
-            if waiter.future.done():
-                return waiter.future.result()
-            in_flight, bound = load()
-            if bound is None or self.admit_at_bound(pool, in_flight + room.granted, bound):
-                return True
-        return False
 
     def admit_at_bound(self, pool: str, in_flight: int, bound: int | None) -> bool:
         """The pool is at its admission bound: is this request admitted anyway (``gateway.routing.fairshare``)?"""
@@ -244,26 +238,10 @@ class Tenancy:
             metrics.in_flight.labels(name).set(0)
 
     def pump(self, pool: str, load: Load | None = None) -> None:
-        """Slots of ``pool`` may have freed: hand them to its best waiters (a waiter above its share still leaves
-        the last free slots to the other tenants, as ``hold_back`` says)."""
+        """Slots of ``pool`` may have freed: hand them to its best waiters (``WaitingRoom.refill``)."""
         room = self.rooms.get(pool)
-        if room is None or not room.waiters:
-            return
-        in_flight, bound = (load or room.load)()
-        if bound is None:
-            room.grant(len(room.waiters), {}, lambda w, c: False)
-            return
-        taken = in_flight + room.granted
-        if taken >= bound:
-            return
-        weights = self.weights
-
-        def held_back(w: Waiter, counts: Mapping[str, int]) -> bool:
-            now = taken + sum(counts.values()) - sum(base.values())
-            return hold_back(w.tenant, counts, weights, bound, now, w.priority, self.best)
-
-        base = self.pool_counts.get(pool, {})
-        room.grant(bound - taken, base, held_back)
+        if room is not None and room.waiters:
+            room.refill(self.pool_counts.get(pool, {}), self.weights, self.best, load)
 
     def describe(self, bounds: Mapping[str, int | None]) -> list[dict[str, Any]]:
         """Each tenant now, for ``/admin/state`` and the console: its settings, its requests in flight and, in each
