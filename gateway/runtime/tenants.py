@@ -146,7 +146,8 @@ class Ticket:
             room = tenancy.rooms[pool] = WaitingRoom()
         room.load = load
         counts = tenancy.pool_counts.get(pool, {})
-        waiter = room.join(self.name, self.priority, tenancy.weights[self.name].weight, counts, tenancy.room_size)
+        weight = tenancy.weights.get(self.name, TenantWeight(1.0, 0)).weight  # its tenant removed by a reload: 1
+        waiter = room.join(self.name, self.priority, weight, counts, tenancy.room_size)
         if waiter is None:
             return False
 
@@ -211,31 +212,48 @@ class Tenancy:
         self.metrics = metrics
         self.limiter = limiter
         self._fallback = MemoryRateLimiter()  # while Redis fails: each process counts alone
+        self._split = max(1, workers)
         self._by_digest: dict[bytes, TenantState] = {}
-        self.tenants: dict[str, TenantState] = {}
-        self.weights: dict[str, TenantWeight] = {NO_TENANT: TenantWeight(1.0, 0)}
-        split = max(1, workers)
-        for t in spec.tenants:
-            limit = t.limits.max_concurrent
-            state = TenantState(t.name, t, None if limit is None else math.ceil(limit / split))
-            self.tenants[t.name] = state
-            self.weights[t.name] = TenantWeight(t.weight, t.priority)
-            for key in t.keys:
-                self._by_digest[hashlib.sha256(key.encode()).digest()] = state
-        anonymous = TenantState(NO_TENANT, None, None)
-        self.tenants[NO_TENANT] = anonymous
-        for key in plain_keys:
-            self._by_digest.setdefault(hashlib.sha256(key.encode()).digest(), anonymous)
+        self.tenants: dict[str, TenantState] = {NO_TENANT: TenantState(NO_TENANT, None, None)}
+        self.weights: dict[str, TenantWeight] = {}
         # The requests of each tenant in flight per pool, in this process (fair share at the admission bound).
         self.pool_counts: dict[str, dict[str, int]] = {}
         # Each full pool's waiters (created at the first wait), and how long and how many may wait.
         self.rooms: dict[str, WaitingRoom] = {}
-        self.best = min(w.priority for w in self.weights.values())  # the best priority configured (the fast lane)
+        self.best = 0  # the best priority configured (the fast lane)
+        self.waiting_s = 0.0
+        self.room_size = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.update(spec, plain_keys)
+
+    def update(self, spec: TenantsFile, plain_keys: frozenset[str]) -> None:
+        """Put a tenants file in force (at start, and when the file changes): keys, priorities, weights, limits and
+        the waiting room's settings, swapped at once. A tenant that stays keeps its requests in flight and its
+        counts; the requests of a removed one finish under it (its keys get 401 from now on); a new one starts
+        at zero. The requests and tokens buckets are by tenant name, so they carry over too."""
+        old = self.tenants
+        tenants: dict[str, TenantState] = {}
+        by_digest: dict[bytes, TenantState] = {}
+        weights = {NO_TENANT: TenantWeight(1.0, 0)}
+        for t in spec.tenants:
+            limit = None if t.limits.max_concurrent is None else math.ceil(t.limits.max_concurrent / self._split)
+            state = old.get(t.name)
+            if state is None or state.spec is None:
+                state = TenantState(t.name, t, limit)
+                self.metrics.in_flight.labels(t.name).set(0)  # every label present from the start
+            state.spec, state.max_concurrent = t, limit
+            tenants[t.name] = state
+            weights[t.name] = TenantWeight(t.weight, t.priority)
+            for key in t.keys:
+                by_digest[hashlib.sha256(key.encode()).digest()] = state
+        anonymous = tenants[NO_TENANT] = old[NO_TENANT]
+        self.metrics.in_flight.labels(NO_TENANT).inc(0)
+        for key in plain_keys:
+            by_digest.setdefault(hashlib.sha256(key.encode()).digest(), anonymous)
+        self.tenants, self._by_digest, self.weights = tenants, by_digest, weights
+        self.best = min(w.priority for w in weights.values())
         self.waiting_s = float(spec.waiting.wait_s)
         self.room_size = spec.waiting.max_waiting_per_pool
-        self._tasks: set[asyncio.Task[None]] = set()
-        for name in self.tenants:  # every label present from the start
-            metrics.in_flight.labels(name).set(0)
 
     def pump(self, pool: str, load: Load | None = None) -> None:
         """Slots of ``pool`` may have freed: hand them to its best waiters (``WaitingRoom.refill``)."""

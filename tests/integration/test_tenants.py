@@ -258,3 +258,21 @@ def test_with_redis_unreachable_each_process_still_limits_alone() -> None:
 
     asyncio.run(run())
     assert tenant.in_flight == 0
+
+
+def test_a_changed_tenants_file_is_in_force_without_a_restart(fake: Fake, gateway: Gateway, tmp_path: Path) -> None:
+    std = fake("std")
+    path = tenants_file(tmp_path, {"name": "team-a", "keys": ["sk-team-a-0001"]})
+    gw = gateway(one_pool_rules(std.url), tenants_file=path, metrics_token=METRICS_TOKEN)
+    assert post(gw, "sk-team-a-0001").status_code == 200
+    assert post(gw, "sk-team-b-0001").status_code == 401
+    tenants_file(  # rewritten in place: the watcher sees it within about a second
+        tmp_path,
+        {"name": "team-a", "keys": ["sk-team-a-0001"], "limits": {"requests_per_minute": 1}},
+        {"name": "team-b", "keys": ["sk-team-b-0001"], "priority": -1},
+    )
+    assert wait_for(lambda: post(gw, "sk-team-b-0001").status_code == 200)
+    codes = [post(gw, "sk-team-a-0001").status_code for _ in range(2)]
+    assert codes == [200, 429]  # its new limit: a burst of one
+    shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}
+    assert (shown["team-b"]["priority"], shown["team-a"]["limits"]["requests_per_minute"]) == (-1, 1)
