@@ -2,7 +2,8 @@
 tenant's priority, share weight and limits.
 
 It holds client keys, so it is a secret like the keys file and lives apart from the routing YAML (which is meant to
-be committed). Read once at start-up; a problem stops the start with every issue named by its path::
+be committed). Read at start-up (a problem stops the start with every issue named by its path) and reloaded when
+it changes (``gateway.runtime.tenants_reload``)::
 
     tenants:
       - name: search              # the label of its metrics and log lines
