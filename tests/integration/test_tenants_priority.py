@@ -29,7 +29,8 @@ BATCH, ONLINE = "sk-batch-000001", "sk-online-00001"
 
 @pytest.fixture
 def sim() -> Iterator[SimServer]:
-    # One running place; answers of 40 tokens at about 15 ms a step: each holds the place for about 0.6 s or more
+    # One running place; answers of 200 tokens at about 15 ms a step hold it about 3 s or more (the first request's;
+    # the others ask for 20 tokens)
     opts = SimOptions(
         model=MODEL,
         port=0,
@@ -37,7 +38,7 @@ def sim() -> Iterator[SimServer]:
         seed=5,
         scheduling_policy="priority",
         time_scale=1.0,
-        output_lengths=OutputLengths(40, 0),
+        output_lengths=OutputLengths(200, 0),
     )
     server = SimServer(opts).start()
     yield server
@@ -66,9 +67,10 @@ class Requests:
         self.statuses: dict[str, int] = {}
         self.threads: list[threading.Thread] = []
 
-    def send(self, name: str, key: str) -> None:
+    def send(self, name: str, key: str, max_tokens: int = 20) -> None:
         def run() -> None:
             body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
+            body["max_tokens"] = max_tokens
             r = httpx.post(
                 self.gw.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=120
             )
@@ -99,11 +101,11 @@ def test_a_high_priority_request_is_admitted_before_earlier_low_priority_waiters
     gw = gateway(rules, tenants_file=tenants(tmp_path), health_interval_s=600)
     tenancy = gw.app.runtime.tenancy
     sent = Requests(gw)
-    sent.send("b1", BATCH)
+    sent.send("b1", BATCH, max_tokens=200)
     assert wait_for(lambda: sim_stats(sim)["running"] == 1)
-    sent.send("b2", BATCH)
-    sent.send("b3", BATCH)
-    assert wait_for(lambda: "std" in tenancy.rooms and len(tenancy.rooms["std"]) == 2)
+    for n, name in enumerate(("b2", "b3"), start=1):  # one after the other: their order in the room is known
+        sent.send(name, BATCH)
+        assert wait_for(lambda n=n: "std" in tenancy.rooms and len(tenancy.rooms["std"]) == n)
     shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}  # /admin/state, the console's panel
     assert (shown["batch"]["waiting"], shown["online"]["waiting"]) == ({"std": 2}, {})
     sent.send("o1", ONLINE)  # after both batch waiters: it takes the fast lane, and vLLM's next place
@@ -121,7 +123,7 @@ def test_the_priority_in_the_body_reorders_the_simulators_queue(
     rules = one_pool_rules(sim.url, max_num_seqs=1, admission={"enabled": False}, scheduling_policy="priority")
     gw = gateway(rules, tenants_file=tenants(tmp_path), health_interval_s=600)
     sent = Requests(gw)
-    sent.send("b1", BATCH)
+    sent.send("b1", BATCH, max_tokens=200)
     assert wait_for(lambda: sim_stats(sim)["running"] == 1)
     for name in ("b2", "b3", "b4"):
         sent.send(name, BATCH)
