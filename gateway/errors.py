@@ -195,6 +195,24 @@ class OverrideStoreUnavailable(NoCapacity):
     default_code = "override_store_unavailable"
 
 
+# A stored Responses API response (gateway.proxy.responses): no record of it for the caller, its endpoint left the
+# config, that endpoint fails its health checks, or the store of records cannot be read.
+class ResponseNotFound(NotFound):
+    default_code = "response_not_found"
+
+
+class ResponseEndpointGone(Conflict):
+    default_code = "response_endpoint_gone"
+
+
+class ResponseEndpointUnavailable(NoCapacity):
+    default_code = "response_endpoint_unavailable"
+
+
+class ResponseStoreUnavailable(NoCapacity):
+    default_code = "response_store_unavailable"
+
+
 class UpstreamError(GatewayError):
     """The upstream failed before the commit point and no other pool could take the request.
 

@@ -208,6 +208,14 @@ def render_multiturn_report(
         mix.description,
         "",
         "- policies: " + "; ".join(fleet(p) for p in policies),
+        *(
+            [
+                f"- specgate: {setup.gateway_workers} gateway processes on one port, each with its own prefix "
+                "indexes (as replicas behind a balancer without session affinity: a conversation's turns land on any)"
+            ]
+            if setup.gateway_workers > 1
+            else []
+        ),
         f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale}, "
         f"clock x{setup.time_scale:g}, answers ~{setup.output_median:g} tokens (lognormal sigma "
         f"{setup.output_sigma:g}) capped by each turn's max_tokens; prefix caching on (vLLM's default)",

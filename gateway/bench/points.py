@@ -52,6 +52,7 @@ class Setup:
     warmup_s: float = 12.0  # wall seconds of arrivals at a load point's rate before its first measured run
     spec_servers: int = 1  # the mixed fleet: speculative servers ...
     std_servers: int = 1  # ... and standard ones; a homogeneous fleet gets as many servers in all
+    gateway_workers: int = 1  # gateway processes on one port (each its own prefix indexes, as separate replicas)
 
     @property
     def servers(self) -> int:

@@ -242,6 +242,8 @@ def running_fleet(
                 path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
                 cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(front_port)]
                 cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
+                if setup.gateway_workers > 1:  # without Redis: each process its own state, as replicas would be
+                    cmd += ["--workers", str(setup.gateway_workers), "--per-worker-state"]
                 what = "the gateway"
                 procs.append(subprocess.Popen(cmd))
             wait_for_port(front_port, 60.0)

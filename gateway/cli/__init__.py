@@ -1,9 +1,13 @@
 """The ``specgate`` command (typer only): parsing flags, calling into the packages, rendering for a terminal.
 
-- ``main``: the command tree; every heavy import happens inside the command that needs it.
-- ``serve``: ``specgate serve``: uvicorn with the client and admin listeners in one loop, or N workers.
+- ``main``: the command tree (``build``: every module's ``COMMANDS``, registered one way), and the ``serve``,
+  ``epp``, ``validate`` and ``demo`` commands; every heavy import happens inside the command that needs it.
+- ``options``: a command's options built from ``Settings``' field declarations (``settings_command``).
+- ``serve``: running ``specgate serve``: uvicorn with the client and admin listeners in one loop, or N workers.
+- ``epp``: running ``specgate epp``: the Endpoint Picker with its admin and probe listeners.
 - ``demo``: ``specgate demo``: the gateway in front of local simulated pools.
-- ``admin`` / ``render``: the on-call commands (pools, weight, drain, force, overrides, audit, reload, explain) and
-  their tables.
-- ``console``: the two consoles and ``fail``.
+- ``admin`` / ``render`` / ``tables``: the on-call commands (pools, weight, drain, force, overrides, audit, reload,
+  explain) and their tables.
+- ``bench`` / ``bench_sweeps``: ``specgate bench …``; ``report``: ``specgate report …``.
+- ``console``: the two consoles, ``fail``, and ``Command`` (a command as it is registered).
 """

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import httpx
@@ -27,6 +28,7 @@ from rich.table import Table
 from gateway.admin import client as ac
 from gateway.admin.client import Call
 from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, EXPLAIN_DEFAULT_PATH, TOKEN_ENV, URL_ENV
+from gateway.cli.console import Command
 from gateway.cli.render import cell, render
 from gateway.cli.tables import Column, fit_table
 
@@ -419,16 +421,32 @@ def _print_reload(data: dict[str, Any]) -> None:
         out.print(_overrides_table(dropped, title, out.width))
 
 
-COMMANDS: dict[str, tuple[Callable[..., None], str]] = {
-    "pools": (pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load."),
-    "weight": (
+def _on_call(name: str, run: Callable[..., None], help_text: str, numbers_are_arguments: bool = False) -> Command:
+    """An on-call command: its help ends with the exit codes. ``numbers_are_arguments``: ``weight POOL -1`` reads
+    -1 as the weight (refused by its range, saying so), not as an option."""
+    context = MappingProxyType({"ignore_unknown_options": True}) if numbers_are_arguments else None
+    return Command(name, run, f"{help_text}\n\n{EXIT_CODES_HELP} Token: SPECGATE_ADMIN_TOKEN.", context)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("explain", explain_command, "Why a request would go where it goes: asks a running gateway's admin API."),
+    _on_call("pools", pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load."),
+    _on_call(
+        "weight",
         weight_command,
         "Set a pool's weight (POOL) or one endpoint's (POOL/ENDPOINT) for --ttl; 0 = no new requests.",
+        numbers_are_arguments=True,
     ),
-    "drain": (drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish."),
-    "undrain": (undrain_command, "End a pool's drain."),
-    "force": (force_command, "Force a traffic class to its standard or speculative pool for --ttl; auto ends it."),
-    "overrides": (overrides_command, "The active overrides; --remove ID --reason … removes one."),
-    "audit": (audit_command, "The audit log: every admin change, expiry and controller transition, with why."),
-    "reload": (reload_command, "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes)."),
-}
+    _on_call("drain", drain_command, "Drain a pool for --ttl: no new requests; requests in flight finish."),
+    _on_call("undrain", undrain_command, "End a pool's drain."),
+    _on_call(
+        "force", force_command, "Force a traffic class to its standard or speculative pool for --ttl; auto ends it."
+    ),
+    _on_call("overrides", overrides_command, "The active overrides; --remove ID --reason … removes one."),
+    _on_call("audit", audit_command, "The audit log: every admin change, expiry and controller transition, with why."),
+    _on_call(
+        "reload",
+        reload_command,
+        "Re-read the routing YAML now: prints ok, unchanged, or every error (nothing changes).",
+    ),
+)

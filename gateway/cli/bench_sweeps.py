@@ -1,5 +1,5 @@
-"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (registered on the
-``bench`` command group by the CLI's entry module)."""
+"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (listed in the
+``bench`` group's commands by ``gateway.cli.bench``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,8 @@ from typing import Annotated
 
 import typer
 
+from gateway.cli.console import Command, out
 from gateway.cli.console import fail as _fail
-from gateway.cli.console import out
-
-
-def register(bench_app: typer.Typer) -> None:
-    """Add the sweep commands to ``bench_app``."""
-    bench_app.command("load")(bench_load_cmd)
-    bench_app.command("policies")(bench_policies_cmd)
-    bench_app.command("reference")(bench_reference_cmd)
 
 
 def bench_load_cmd(
@@ -92,6 +85,13 @@ def bench_policies_cmd(
         "bench-results/policies"
     ),
     jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
+    gateway_workers: Annotated[
+        int,
+        typer.Option(
+            help="Gateway processes sharing the port, each with its own state and prefix indexes (as replicas behind "
+            "a balancer without session affinity)."
+        ),
+    ] = 1,
 ) -> None:
     """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive, vllm-router peers) on
     simulated pools across offered loads: report.md, PNG plots, raw JSONL. A multi-turn mix (one with
@@ -105,6 +105,8 @@ def bench_policies_cmd(
     try:
         if repeats < 1:
             raise ValueError("--repeats must be at least 1")
+        if not 1 <= gateway_workers <= 16:
+            raise ValueError("--gateway-workers must be 1 to 16")
         setup = Setup(
             controller_time_scale=controller_time_scale,
             time_scale=time_scale,
@@ -115,6 +117,7 @@ def bench_policies_cmd(
             repeats=repeats,
             warmup_s=warmup,
             min_requests=min_requests,
+            gateway_workers=gateway_workers,
         ).fleet_from(fleet)
         fractions = [float(x) for x in loads.split(",") if x.strip()]
         the_mix = load_mix(mix)
@@ -179,3 +182,10 @@ def bench_reference_cmd(
     if out_file is not None:
         out_file.write_text(text)
     out.print(text, highlight=False, soft_wrap=True, markup=False)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("load", bench_load_cmd),
+    Command("policies", bench_policies_cmd),
+    Command("reference", bench_reference_cmd),
+)

@@ -1,6 +1,7 @@
 """Configuration: the process settings and the routing YAML.
 
-- ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``).
+- ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``); ``setting_spec``: how one of its
+  fields is declared (default, help, bounds, source) and read from its variable.
 - ``schema``: the routing YAML as strict pydantic models (``operations``: its scrape and overload sections;
   ``affinity``: the ``prefix_affinity`` block);
   ``checks``: whole-document checks;

@@ -270,6 +270,29 @@ class Endpoint(Strict):
     )
     weight: Number = Field(1.0, ge=0, description="Relative weight; 0 = drained.")
     id: Name | None = Field(None, description="Stable id (default: host:port of the URL).")
+    kv_events: str | None = Field(
+        None,
+        description="The server's KV cache event publisher (vLLM --kv-events-config endpoint), e.g. "
+        "tcp://vllm-spec-0:5557: the gateway follows cache resets, restarts and the live block count to keep its "
+        "prefix index honest. Off when not given.",
+        json_schema_extra={"pattern": "^tcp://[^/?#]+:[0-9]+$"},
+    )
+
+    @field_validator("kv_events")
+    @classmethod
+    def _zmq_tcp(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path not in ("", "/"):
+            raise ValueError(f"kv_events must be tcp://host:port (the server's publisher), got {v!r}")
+        if parts.hostname == "*":
+            raise ValueError(f"kv_events names the server to connect to, not a bind address: {v!r}")
+        return v.rstrip("/")
 
     @field_validator("url")
     @classmethod

@@ -1,8 +1,10 @@
 """Process settings: resolved once, from command-line flags or ``SPECGATE_*`` environment variables.
 
-Each field maps to one variable (``SPECGATE_`` + upper-case field name); ``specgate serve`` flags use the
-same names. With several workers, the parent writes the resolved settings to the environment and each worker
-reads them back with ``Settings.from_env`` (uvicorn starts workers from an import string).
+Each field is declared once (``gateway.config.setting_spec.setting``): type, default, help text, bounds, and
+whether it has a flag. Its variable is ``SPECGATE_`` + the upper-case field name; ``specgate serve``'s flags are
+built from the fields (``gateway.cli.options``). With several workers, the parent writes the resolved settings
+to the environment and each worker reads them back with ``Settings.from_env`` (uvicorn starts workers from an
+import string).
 """
 
 from __future__ import annotations
@@ -10,170 +12,190 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, get_type_hints
+
+from gateway.config.setting_spec import MIB, check_bounds, env_name, parse, required, setting, spec_of
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-ENV_PREFIX = "SPECGATE_"
 # The deepest request body the gateway accepts: orjson reads 1024 levels but writes only about 254, and the gateway
 # re-serialises bodies (the idempotency fingerprint, the usage option, a fallback model).
 MAX_JSON_DEPTH = 250
-_INT_FIELDS = frozenset(
-    {
-        "port",
-        "workers",
-        "max_body_bytes",
-        "admin_port",
-        "max_header_bytes",
-        "max_headers",
-        "max_json_depth",
-        "max_json_containers",
-        "parse_workers",
-        "max_detached",
-        "max_detached_per_client",
-        "idempotency_memory_bytes",
-        "idempotency_owner_records",
-        "idempotency_owner_bytes",
-        "body_min_rate",
-        "max_connections",
-        "max_connections_per_client",
-    }
-)
-_FLOAT_FIELDS = frozenset(
-    {"health_interval_s", "health_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"}
-)
+_API_KEYS_INSTEAD = "or put the keys in a file (one per line) for --api-keys-file (SPECGATE_API_KEYS_FILE)"
 
 
 class SettingsError(ValueError):
     """A setting out of range or malformed; its message names the setting."""
 
 
-def _flag(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The process settings: every ``specgate serve`` flag, each with its ``SPECGATE_*`` variable
-    (``from_env``, ``to_env`` for the workers of ``--workers N``). Validated at construction (``SettingsError``);
-    immutable. Routing lives in the YAML at ``rules``, not here."""
+    (``from_env``, ``to_env`` for the workers of ``--workers N``). Each field is declared once, with ``setting``:
+    default, help text, bounds, source (``gateway.config.setting_spec``); the CLI's options are built from these
+    declarations. Validated at construction (``SettingsError``); immutable. Routing lives in the YAML at ``rules``,
+    not here."""
 
-    rules: Path
-    host: str = "0.0.0.0"
-    port: int = 8080
-    workers: int = 1
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_header_bytes: int = 64 * 1024  # request line + header lines of one request (gateway/proxy/limits.py)
-    max_headers: int = 100  # header fields of one request
-    max_json_depth: int = 128  # nesting of a request body's arrays and objects
-    max_json_containers: int = 1_000_000  # arrays and objects in one request body
-    # Processes that parse request bodies over 1 MiB away from the event loop (gateway/proxy/parse_pool.py), per
-    # worker; 0: parsed on the event loop, in steps.
-    parse_workers: int = 1
-    max_detached: int = 64  # keyed generations left running after their client went, in total
-    max_detached_per_client: int = 8  # ... per client scope (bearer token)
-    idempotency_memory_bytes: int = 256 * 1024 * 1024  # stored responses of the in-memory idempotency store
-    # Per owner (tenant, or API key without tenants), in the store: Idempotency-Key records and, apart, Responses API
-    # records (memory and Redis); stored response bytes (memory only; 0: a quarter of idempotency_memory_bytes).
-    idempotency_owner_records: int = 10_000
-    idempotency_owner_bytes: int = 0
+    rules: Path = required("Routing YAML file.")
+    host: str = setting("0.0.0.0", "Address to listen on.")
+    port: int = setting(8080, "Client port.", min=1, max=65535)
+    workers: int = setting(1, "Worker processes.", min=1)
+    max_body_bytes: int = setting(8 * MIB, "Largest accepted request body.", min=1024)
+    # request line + header lines of one request (gateway/proxy/limits.py)
+    max_header_bytes: int = setting(64 * 1024, "Largest request head (request line + headers); past it: 431.", min=1024)
+    max_headers: int = setting(100, "Most header fields in one request; past it: 431.", min=8)
+    max_json_depth: int = setting(
+        128, f"Deepest nesting of a request body (<= {MAX_JSON_DEPTH}); past it: 400.", min=1, max=MAX_JSON_DEPTH
+    )
+    max_json_containers: int = setting(1_000_000, "Most arrays and objects in one request body; past it: 400.", min=1)
+    # gateway/proxy/parse_pool.py; 0: parsed on the event loop, in steps
+    parse_workers: int = setting(
+        1,
+        "Processes (per worker) that parse request bodies over 1 MiB off the event loop; 0: on the loop.",
+        min=0,
+        max=64,
+    )
+    max_detached: int = setting(
+        64,
+        "Keyed generations kept running after their client left, in total; past it they are cancelled.",
+        min=0,
+    )
+    max_detached_per_client: int = setting(8, "The same, per client (bearer token).", min=0)
+    # at least the largest per-record cap the YAML allows
+    idempotency_memory_bytes: int = setting(
+        256 * MIB,
+        "Stored responses of the in-memory Idempotency-Key store, together; the oldest go first.",
+        min=64 * MIB,
+    )
+    # Per owner, in memory and in Redis; the bytes in memory only, checked against idempotency_memory_bytes below.
+    idempotency_owner_records: int = setting(
+        10_000,
+        "Idempotency-Key records, and apart Responses API records, kept per tenant (or per API key without "
+        "tenants); past it that owner's own oldest completed go first.",
+        min=1,
+    )
+    idempotency_owner_bytes: int = setting(
+        0,
+        "Stored responses of the in-memory store per tenant (or API key); 0: a quarter of --idempotency-memory-bytes.",
+    )
     # Client connections (gateway/proxy/limits.py, docs/limits.md): time bounds before a request reaches the app, and
-    # open connections per listener of this process (0: no cap).
-    header_timeout_s: float = 30.0  # a request head, from its first byte to its end; past it: 408
-    body_timeout_s: float = 30.0  # a request body, at least; past it (and past its size / body_min_rate): 408
-    body_min_rate: int = 32 * 1024  # bytes per second a longer body is allowed for
-    keep_alive_s: float = 5.0  # a connection with no request on it (new, or between requests); past it: closed
-    max_connections: int = 8192  # open client connections of this process, per listener; past it: 503
-    max_connections_per_client: int = 512  # ... from one client address (an IPv6 /64); past it: 503
-    # Client keys: from SPECGATE_API_KEYS or the keys file only (``specgate serve`` refuses them as a flag, which
-    # every user of the machine could read in ``ps``). Kept out of repr.
-    api_keys: str = field(default="", repr=False)
-    api_keys_file: Path | None = None
-    # Tenants (gateway/config/tenants.py): who each client key belongs to, its priority, share weight and limits.
-    # A secret like the keys file (it holds keys), never in the routing YAML. None: no tenants, no limits.
-    tenants_file: Path | None = None
-    # The bearer token that opens /metrics (SPECGATE_METRICS_TOKEN, environment only): for Prometheus, which then
-    # needs no client key. None: /metrics follows the client keys (open without keys, a key with them).
-    metrics_token: str | None = field(default=None, repr=False)
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0
-    log_level: LogLevel = "info"
-    admin_host: str = "127.0.0.1"  # the admin API listener (gateway/admin/app.py); its token is SPECGATE_ADMIN_TOKEN
-    admin_port: int = 8081  # 0: no admin listener
-    # Idempotency records shared by the replicas (redis:// | rediss:// | unix://); None: in memory, this process
-    # only. It may hold a password: kept out of repr, and logged only through gateway.store.redis.redact_url.
-    redis_url: str | None = field(default=None, repr=False)
-    # With Redis: the replicas elect a leader that scrapes and decides for all (gateway.cluster); False: each
-    # replica scrapes and decides alone (overrides and Idempotency-Keys are still shared).
-    cluster: bool = True
-    # --workers N without redis_url: each worker would keep its own Idempotency-Key records (the same key could run
-    # once per worker) and its own overrides. Refused at start-up unless this accepts it explicitly.
-    per_worker_state: bool = False
-    # OpenTelemetry traces of the proxied requests (the ``tracing`` extra), exported as the standard OTEL_*
-    # variables say (gateway/observability/tracing.py). Off: OpenTelemetry is never imported.
-    tracing: bool = False
-    # Load balancers in front of the gateway, as comma-separated addresses or CIDRs: only a connection from one of
-    # them has its X-Forwarded-For kept (and the peer appended); from anyone else the peer's address alone is sent.
-    trusted_proxies: str = ""
-    # Stand-in endpoints, "pool=URL,pool=URL": each named pool's endpoints in the routing YAML are replaced by that
-    # one URL whenever the file is loaded (at start and on every reload), the file itself untouched. ``specgate demo``
-    # points the pools at its simulated servers this way, so a user edits and reloads the YAML the demo serves.
-    stand_ins: str = ""
+    # open connections per listener of this process.
+    header_timeout_s: float = setting(
+        30.0,
+        "Seconds for a request head, from its first byte; past it: 408, connection closed.",
+        above=0,
+        max=3600,
+        unit="seconds",
+    )
+    body_timeout_s: float = setting(
+        30.0,
+        "Seconds a request body may take (a larger body: its size / --body-min-rate); past it: 408.",
+        above=0,
+        max=3600,
+        unit="seconds",
+    )
+    body_min_rate: int = setting(
+        32 * 1024, "Bytes per second a large request body must keep up.", min=1024, unit="bytes per second"
+    )
+    keep_alive_s: float = setting(
+        5.0,
+        "Seconds a connection may wait for its next request (or its first); then it is closed.",
+        above=0,
+        max=3600,
+        unit="seconds",
+    )
+    max_connections: int = setting(
+        8192,
+        "Open connections per listener of each worker process; past it: 503 (0: no cap).",
+        min=0,
+        zero="no cap",
+    )
+    max_connections_per_client: int = setting(
+        512,
+        "The same, from one client address (IPv6: one /64); past it: 503 (0: no cap).",
+        min=0,
+        zero="no cap",
+    )
+    # A flag would show the keys to every user of the machine (``ps``): refused on the command line.
+    api_keys: str = setting(
+        "",
+        "Client API keys, comma-separated (none = open); from SPECGATE_API_KEYS only.",
+        source="secret",
+        instead=_API_KEYS_INSTEAD,
+    )
+    api_keys_file: Path | None = setting(None, "File with one client API key per line (or SPECGATE_API_KEYS).")
+    # gateway/config/tenants.py. A secret like the keys file (it holds keys), never in the routing YAML.
+    tenants_file: Path | None = setting(
+        None, "Tenants YAML: each tenant's client keys, priority, share weight and limits (docs/tenants.md)."
+    )
+    # None: /metrics follows the client keys (open without keys, a key with them).
+    metrics_token: str | None = setting(
+        None, "The bearer token that opens /metrics, for Prometheus (no client key needed).", source="env"
+    )
+    health_interval_s: float = setting(5.0, "Seconds between checks.", above=0)
+    health_timeout_s: float = setting(2.0, "Health check timeout.", above=0)
+    log_level: LogLevel = setting("info", "debug | info | warning | error.")
+    # the admin API listener (gateway/admin/app.py)
+    admin_host: str = setting("127.0.0.1", "Admin API address (token: SPECGATE_ADMIN_TOKEN).")
+    admin_port: int = setting(8081, "Admin API port (0: off).", min=1, max=65535, zero="off")
+    # redis:// | rediss:// | unix://. It may hold a password: kept out of repr, and logged only through
+    # gateway.store.redis.redact_url.
+    redis_url: str | None = setting(
+        None,
+        "Redis shared by the replicas (Idempotency-Key records, on-call overrides, the audit log), e.g. "
+        "redis://host:6379/0 (none: in memory, this process only).",
+        repr=False,
+    )
+    # gateway.cluster; overrides and Idempotency-Keys are shared either way.
+    cluster: bool = setting(
+        True,
+        "With --redis-url: one elected replica scrapes and runs the controllers for all (default); "
+        "--no-cluster: each replica on its own.",
+    )
+    # Without it, --workers N without redis_url is refused at start-up (one Idempotency-Key could run per worker).
+    per_worker_state: bool = setting(
+        False, "Accept --workers N without Redis: each worker keeps its own idempotency records and overrides."
+    )
+    # gateway/observability/tracing.py. Off: OpenTelemetry is never imported.
+    tracing: bool = setting(
+        False,
+        "OpenTelemetry traces of the proxied requests (needs specgate[tracing]), exported as the OTEL_* "
+        "variables say: OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER(_ARG), OTEL_SERVICE_NAME.",
+    )
+    # From anyone else the peer's address alone is sent as X-Forwarded-For.
+    trusted_proxies: str = setting(
+        "",
+        "Load balancers in front, comma-separated addresses or CIDRs (e.g. 10.0.0.0/8): only their "
+        "X-Forwarded-For is kept and appended to; from any other peer the pools see the peer's address alone.",
+    )
+    # The file itself is untouched: ``specgate demo`` points the pools at its simulated servers this way, so a user
+    # edits and reloads the YAML the demo serves.
+    stand_ins: str = setting(
+        "",
+        "Stand-in endpoints, pool=URL,pool=URL: each named pool's endpoints in the routing YAML are replaced by "
+        "that one URL whenever the file is loaded (at start and on every reload).",
+        source="internal",
+    )
 
     def __post_init__(self) -> None:
         self.stand_in_urls()  # raises SettingsError when malformed
-        if not 0 < self.port < 65536:
-            raise SettingsError(f"port must be 1..65535, got {self.port}")
-        if not 0 <= self.admin_port < 65536:
-            raise SettingsError(f"admin_port must be 0 (off) or 1..65535, got {self.admin_port}")
+        hints = get_type_hints(Settings)
+        for f in fields(self):
+            problem = check_bounds(f.name, hints[f.name], spec_of(f), getattr(self, f.name))
+            if problem is not None:
+                raise SettingsError(problem)
         if self.admin_port == self.port:
             raise SettingsError(f"admin_port must differ from port ({self.port}); 0 turns the admin listener off")
-        if self.workers < 1:
-            raise SettingsError(f"workers must be >= 1, got {self.workers}")
-        if self.max_body_bytes < 1024:
-            raise SettingsError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_header_bytes < 1024:
-            raise SettingsError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
-        if self.max_headers < 8:
-            raise SettingsError(f"max_headers must be >= 8, got {self.max_headers}")
-        if not 1 <= self.max_json_depth <= MAX_JSON_DEPTH:
-            raise SettingsError(f"max_json_depth must be 1..{MAX_JSON_DEPTH}, got {self.max_json_depth}")
-        if self.max_json_containers < 1:
-            raise SettingsError(f"max_json_containers must be >= 1, got {self.max_json_containers}")
-        if not 0 <= self.parse_workers <= 64:
-            raise SettingsError(f"parse_workers must be 0..64, got {self.parse_workers}")
-        if self.idempotency_memory_bytes < 64 * 1024 * 1024:  # the largest per-record cap the YAML allows
-            raise SettingsError(f"idempotency_memory_bytes must be >= 64 MiB, got {self.idempotency_memory_bytes}")
-        if self.idempotency_owner_records < 1:
-            raise SettingsError(f"idempotency_owner_records must be >= 1, got {self.idempotency_owner_records}")
         if self.idempotency_owner_bytes != 0 and not (
-            1024 * 1024 <= self.idempotency_owner_bytes <= self.idempotency_memory_bytes
+            MIB <= self.idempotency_owner_bytes <= self.idempotency_memory_bytes
         ):
             raise SettingsError(
                 "idempotency_owner_bytes must be 0 (a quarter of idempotency_memory_bytes) or 1 MiB.."
                 f"idempotency_memory_bytes, got {self.idempotency_owner_bytes}"
             )
-        if self.max_detached < 0 or self.max_detached_per_client < 0:
-            raise SettingsError("max_detached and max_detached_per_client must be >= 0")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if not 0 < getattr(self, name) <= 3600:
-                raise SettingsError(f"{name} must be > 0 and <= 3600 seconds, got {getattr(self, name)}")
-        if self.body_min_rate < 1024:
-            raise SettingsError(f"body_min_rate must be >= 1024 bytes per second, got {self.body_min_rate}")
-        if self.max_connections < 0 or self.max_connections_per_client < 0:
-            raise SettingsError("max_connections and max_connections_per_client must be >= 0 (0: no cap)")
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise SettingsError("health_interval_s and health_timeout_s must be > 0")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("redis_url must start with redis://, rediss:// or unix://")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise SettingsError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         self.trusted_proxy_networks()  # raises on a malformed entry
 
     def trusted_proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -191,33 +213,12 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings from the ``SPECGATE_*`` variables (an empty one is unset): how each worker of
+        ``--workers N`` gets its parent's."""
         env = os.environ if environ is None else environ
-        rules = env.get(ENV_PREFIX + "RULES")
-        if not rules:
+        if not env.get(env_name("rules")):
             raise SettingsError("no routing rules: set --rules FILE or SPECGATE_RULES")
-        kw: dict[str, object] = {"rules": Path(rules)}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if f.name == "rules" or raw is None or raw == "":
-                continue
-            try:
-                if f.name in _INT_FIELDS:
-                    kw[f.name] = int(raw)
-                elif f.name in _FLOAT_FIELDS:
-                    kw[f.name] = float(raw)
-                elif f.name == "cluster":
-                    if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                        raise ValueError("expected true or false")
-                    kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
-                elif f.name in ("per_worker_state", "tracing"):
-                    kw[f.name] = _flag(raw)
-                elif f.name in ("api_keys_file", "tenants_file"):
-                    kw[f.name] = Path(raw)
-                else:
-                    kw[f.name] = raw
-            except ValueError as exc:
-                raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from exc
-        return cls(**kw)  # type: ignore[arg-type]
+        return cls(**env_values(cls, [f.name for f in fields(cls)], env))
 
     def stand_in_urls(self) -> dict[str, str]:
         """``stand_ins`` as pool → URL (empty: the YAML's own endpoints)."""
@@ -234,7 +235,7 @@ class Settings:
         for f in fields(self):
             v = getattr(self, f.name)
             if v is not None:
-                out[ENV_PREFIX + f.name.upper()] = str(v)
+                out[env_name(f.name)] = str(v)
         return out
 
     def shared_state_problem(self) -> str | None:
@@ -260,3 +261,19 @@ class Settings:
                 if line:
                     keys.add(line)
         return frozenset(keys)
+
+
+def env_values(cls: type[Any], names: list[str], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields ``names`` of the settings dataclass ``cls`` that ``environ`` sets (a blank variable is unset),
+    parsed by their declared type. Raises ``SettingsError`` naming the variable."""
+    hints = get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for name in names:
+        raw = environ.get(env_name(name), "").strip()
+        if not raw:
+            continue
+        try:
+            out[name] = parse(hints[name], raw)
+        except ValueError as exc:
+            raise SettingsError(f"{env_name(name)}={raw!r}: {exc}") from exc
+    return out

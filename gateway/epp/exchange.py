@@ -16,25 +16,17 @@ import time
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest, ProcessingResponse
 
 from gateway.epp import messages
-from gateway.epp.pick import DESTINATION_HEADER, Pick, address, pick
+from gateway.epp.pick import DESTINATION_HEADER, Pick, pick
 from gateway.epp.usage import UsageReader
 from gateway.errors import GatewayError, PayloadTooLarge
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.metrics import Outcome
 from gateway.proxy.headers import request_id
-from gateway.proxy.intake import outcome_for
+from gateway.proxy.outcome import outcome_of, relayed
 from gateway.proxy.record import RequestRecord
 from gateway.runtime.container import Runtime
 
 UPSTREAM_ADDRESS = "upstream.address"
-
-
-def _outcome(status: int) -> Outcome:
-    if status < 400:
-        return "ok"
-    if status < 500:
-        return "client_error"
-    return "upstream_error"
 
 
 def served_address(request: ProcessingRequest) -> str | None:
@@ -107,7 +99,7 @@ class Exchange:
         self.picked = p
         rec.route_reason = p.route_reason
         first = p.endpoints[0]
-        self._hold(p.pools[address(first.url)], first)
+        self._hold(p.pools[p.addrs[0]], first)
         rec.upstream_start = time.perf_counter()
         addresses = p.addresses()
         if on_body:
@@ -120,7 +112,7 @@ class Exchange:
         if rec is not None:
             rec.status, rec.error = exc.status, exc.message
             extra.append(("x-request-id", rec.request_id))
-        self.refused = "overloaded" if exc.code == "overloaded" else outcome_for(exc.status)
+        self.refused = outcome_of(exc)
         if exc.code == "overloaded":
             planned = rec.traffic_class if rec is not None else "none"
             self.rt.metrics.shed.labels(planned, "none", "admission").inc()
@@ -152,13 +144,7 @@ class Exchange:
         rec.status = self.status
         rec.upstream_first = time.perf_counter()
         served = served_address(request)
-        pool_ep = None
-        if served is not None:
-            pool = p.pools.get(served)
-            if pool is not None:
-                ep = next((e for e in p.endpoints if address(e.url) == served), None)
-                if ep is not None:
-                    pool_ep = (pool, ep)
+        pool_ep = p.served(served) if served is not None else None
         if pool_ep is None and self.holding is not None:
             pool_ep = self.holding
         out: list[tuple[str, str]] = [("x-request-id", rec.request_id), *p.headers]
@@ -183,6 +169,6 @@ class Exchange:
         if self.refused is not None:
             rec.finish(self.refused, self.rt.metrics, self.rt.access_log)
         elif self.status:  # the time to first token is not seen here (the response body is not read)
-            rec.finish(_outcome(self.status), self.rt.metrics, self.rt.access_log)
+            rec.finish(relayed(self.status), self.rt.metrics, self.rt.access_log)
         else:
             rec.finish("client_disconnect", self.rt.metrics, self.rt.access_log)

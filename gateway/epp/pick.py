@@ -19,7 +19,7 @@ from gateway.fleet.pools import EndpointState, PoolState
 from gateway.observability.acceptance import temperature_band
 from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
-from gateway.proxy.json_depth import check_json_containers, check_json_depth
+from gateway.proxy.json_depth import bracket_count, check_json_containers, check_json_depth
 from gateway.proxy.record import RequestRecord
 from gateway.routing.attempts import AttemptPolicy, candidates
 from gateway.routing.classify import TASK_HEADER
@@ -39,6 +39,7 @@ class Pick:
 
     endpoints: list[EndpointState]
     pools: dict[str, PoolState]  # endpoint address -> its pool
+    addrs: list[str]  # ``endpoints``' addresses, in the same order (computed once)
     traffic_class: str = "none"
     task_type: str | None = None
     route_reason: str | None = None
@@ -47,11 +48,28 @@ class Pick:
     usage: bool = False  # the answer carries usage and spec-decode metrics the picker can read (``_carries_usage``)
 
     def addresses(self) -> list[str]:
-        return [address(ep.url) for ep in self.endpoints]
+        return self.addrs
+
+    def served(self, addr: str) -> tuple[PoolState, EndpointState] | None:
+        """The pool and endpoint of the list at ``addr`` (the address Envoy reports it used), if it is one."""
+        pool = self.pools.get(addr)
+        if pool is None:
+            return None
+        for a, ep in zip(self.addrs, self.endpoints, strict=True):
+            if a == addr:
+                return pool, ep
+        return None
 
 
 def address(url: str) -> str:
     """``http://10.0.0.5:8000/`` -> ``10.0.0.5:8000`` (an IPv6 host in brackets), as Envoy expects it."""
+    # The common form (scheme, plain host, explicit port) without urlsplit: it runs for every listed endpoint.
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in ("http", "https"):
+        netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+        name, colon, digits = netloc.rpartition(":")
+        if colon and digits.isdigit() and name and not any(c in name for c in "[]@:"):
+            return f"{name.lower()}:{int(digits)}"
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -60,28 +78,31 @@ def address(url: str) -> str:
 
 def _lay_out(
     pools: Mapping[str, PoolState], plan_pools: tuple[str, ...], policy: AttemptPolicy, rng: random.Random, limit: int
-) -> tuple[list[EndpointState], dict[str, PoolState], list[str]]:
+) -> tuple[list[EndpointState], list[str], dict[str, PoolState], list[str]]:
     """The plan's endpoints in attempt order (admitting pools only), at most ``limit``; and the pools left out."""
     full = [name for name in plan_pools if name in pools and not policy.admits(pools[name])]
     order = tuple(name for name in plan_pools if name not in full)
     chosen: list[EndpointState] = []
+    addrs: list[str] = []
     owner: dict[str, PoolState] = {}
     for pool, ep in candidates(Plan(order, ""), pools, rng):  # the attempt loop's order
         if len(chosen) >= limit:
             break
+        addr = address(ep.url)
         chosen.append(ep)
-        owner[address(ep.url)] = pool
-    return chosen, owner, full
+        addrs.append(addr)
+        owner[addr] = pool
+    return chosen, addrs, owner, full
 
 
 def pick_any(rt: Runtime) -> Pick:
     """A request that is not classified (a GET such as ``/v1/models``): every pool, in YAML order."""
     live = rt.live
     limit = max(1, live.rules.defaults.max_attempts)
-    chosen, owner, _ = _lay_out(live.pools, tuple(live.pools), rt.attempts, rt.rng, limit)
+    chosen, addrs, owner, _ = _lay_out(live.pools, tuple(live.pools), rt.attempts, rt.rng, limit)
     if not chosen:
         raise _no_endpoint()
-    return Pick(chosen, owner, route_reason="unclassified")
+    return Pick(chosen, owner, addrs, route_reason="unclassified")
 
 
 # The APIs whose answers carry vLLM's per-request spec-decode metrics (the Responses API's do not).
@@ -119,9 +140,12 @@ def pick(
     rt.authenticate(headers.get("authorization"))
     if len(raw) > rt.settings.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {rt.settings.max_body_bytes}")
-    check_json_containers(raw, rt.settings.max_json_containers)
+    brackets = bracket_count(raw)  # one count decides both checks for most bodies, as in proxy mode
+    if brackets > rt.settings.max_json_containers:  # before parsing: a flood of tiny containers is slow to parse
+        check_json_containers(raw, rt.settings.max_json_containers)
     body = parse_object(raw)
-    check_json_depth(raw, rt.settings.max_json_depth)
+    if brackets > rt.settings.max_json_depth:
+        check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live
     d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
     extra: list[tuple[str, str]] = []
@@ -138,7 +162,7 @@ def pick(
     extra.append(("x-specgate-route", plan.reason))
     if plan.empty:
         raise plan.unavailable()
-    chosen, owner, full = _lay_out(live.pools, plan.pools, rt.attempts, rt.rng, max(1, d.max_attempts))
+    chosen, addrs, owner, full = _lay_out(live.pools, plan.pools, rt.attempts, rt.rng, max(1, d.max_attempts))
     if not chosen:
         if full:
             raise rt.attempts.overloaded(
@@ -146,4 +170,4 @@ def pick(
             )
         raise _no_endpoint()
     usage = _carries_usage(path, body, d.stream)
-    return Pick(chosen, owner, d.traffic_class, task_type, plan.reason, d.stream, extra, usage)
+    return Pick(chosen, owner, addrs, d.traffic_class, task_type, plan.reason, d.stream, extra, usage)

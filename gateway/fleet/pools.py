@@ -54,6 +54,7 @@ class EndpointState:
     queue_fresh_until: float = 0.0  # monotonic; after this the scraped queue is unknown (stale), never read as 0
     # The prompt prefixes sent here (gateway.fleet.prefix_index): what its prefix cache probably holds.
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    kv_events: str | None = None  # the server's KV event publisher (gateway.fleet.kv_events), from the YAML
 
     def __post_init__(self) -> None:
         if self.configured_weight < 0:
@@ -129,7 +130,7 @@ class PoolState:
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, affinity: PrefixAffinity | None = None) -> PoolState:
-        eps = [EndpointState(e.endpoint_id, e.url, spec.name, e.weight) for e in spec.endpoints]
+        eps = [EndpointState(e.endpoint_id, e.url, spec.name, e.weight, kv_events=e.kv_events) for e in spec.endpoints]
         pool = cls(spec.name, spec, eps, frozenset(spec.models), affinity or PrefixAffinity())
         pool.size_indexes()
         return pool

@@ -48,7 +48,16 @@ class PrefixIndex:
     """One endpoint's recently sent prompt chunks, LRU, at most ``capacity`` chunks. Not thread-safe (the event
     loop's)."""
 
-    __slots__ = ("_chunks", "_since_scrape", "base_capacity", "max_chunks", "predicted_chunks", "scale", "source")
+    __slots__ = (
+        "_chunks",
+        "_since_scrape",
+        "base_capacity",
+        "live_chunks",
+        "max_chunks",
+        "predicted_chunks",
+        "scale",
+        "source",
+    )
 
     def __init__(self, capacity_chunks: int = 16384, max_chunks: int | None = None) -> None:
         self._chunks: OrderedDict[int, None] = OrderedDict()
@@ -58,13 +67,15 @@ class PrefixIndex:
         self.scale = 1.0  # the measured correction (MIN_SCALE..1)
         self.predicted_chunks = 0  # warm chunks of every prompt recorded here (the predicted hits), cumulative
         self._since_scrape = 0  # predicted chunks since the last observe_hits
+        self.live_chunks: int | None = None  # the server's cached blocks now, from its KV events (None: unknown)
 
     def __len__(self) -> int:
         return len(self._chunks)
 
     @property
     def capacity(self) -> int:
-        return max(1, int(self.base_capacity * self.scale))
+        cap = max(1, int(self.base_capacity * self.scale))
+        return cap if self.live_chunks is None else max(1, min(cap, self.live_chunks))
 
     def match(self, chunks: Sequence[int]) -> int:
         """How many chunks at the start of ``chunks`` are warm here (the present ones are always a prefix)."""
@@ -113,6 +124,13 @@ class PrefixIndex:
         self.base_capacity = max(1, min(chunks, self.max_chunks))
         self.source = "scraped"
         self._evict()
+
+    def bound_live(self, chunks: int | None) -> None:
+        """The server's KV events say it holds ``chunks`` chunks' worth of blocks now (None: unknown): the index
+        holds no more than that."""
+        self.live_chunks = chunks
+        if chunks is not None and len(self._chunks) > chunks:
+            self._evict()
 
     def observe_hits(self, measured_hit_tokens: float) -> None:
         """A scrape's increase of the server's prefix-cache hits (tokens) since the last one: shrink the index when

@@ -3,12 +3,12 @@
 ::
 
     GatewayApp(scope)
-    ├── POST to a path of PROXY_ROUTES  -> intake.admit -> ProxyExchange (forward.py)     plain ASGI, no router
+    ├── POST to a path of PROXY_ROUTES  -> front.serve -> ProxyExchange (forward.py)      plain ASGI, no router
     ├── another method on such a path   -> 405 envelope
-    └── anything else (GET /v1/models, GET/DELETE /v1/responses/{id}, /health, /ready, /metrics, Starlette
-        404s, lifespan)
+    └── anything else -> Starlette: the proxied routes it matches (/tokenize, /detokenize, /v1/responses/{id} and
+        its cancel) -> front.serve, as above; GET /v1/models, /health, /ready, /metrics, 404s, lifespan
 
-Errors on both ways in are rendered by ``gateway.proxy.http.error_response``. To forward one more POST path to the
+Errors on every way in are rendered by ``gateway.proxy.http.error_response``. To forward one more POST path to the
 pools, add a ``ProxyRoute`` to ``PROXY_ROUTES`` (and, when its body is classified, its shape to
 ``gateway.routing.classify.Endpoint``).
 """
@@ -28,27 +28,28 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.config.settings import Settings
 from gateway.errors import GatewayError
 from gateway.observability.metrics import CONTENT_TYPE, OPENMETRICS, OPENMETRICS_CONTENT_TYPE, multiprocess_dir
+from gateway.proxy.front import ProxyRoute, serve
 from gateway.proxy.headers import request_id
-from gateway.proxy.http import error_response, exception_handlers, is_bug, json_response
-from gateway.proxy.intake import ProxyRoute, admit
-from gateway.proxy.responses import cancel_response, delete_response, retrieve_response
+from gateway.proxy.http import error_response, exception_handlers, json_response
+from gateway.proxy.intake import classified
 from gateway.proxy.stall import remember_transport
-from gateway.proxy.tokens import detokenize, tokenize
+from gateway.proxy.stored_responses import CANCEL, DELETE, RETRIEVE
+from gateway.proxy.tokens import DETOKENIZE, TOKENIZE
 from gateway.runtime.container import Runtime
 
 logger = logging.getLogger("specgate")
 
 # The POST paths forwarded to the pools: the request path of the package map, without Starlette on the way.
 PROXY_ROUTES: tuple[ProxyRoute, ...] = (
-    ProxyRoute("/v1/chat/completions", "chat"),
-    ProxyRoute("/v1/completions", "completions"),
-    ProxyRoute("/v1/responses", "responses"),
-    ProxyRoute("/v1/embeddings", None),
+    ProxyRoute("/v1/chat/completions", "chat", classified),
+    ProxyRoute("/v1/completions", "completions", classified),
+    ProxyRoute("/v1/responses", "responses", classified),
+    ProxyRoute("/v1/embeddings", None, classified),
 )
 
 # Young-generation threshold of the cyclic garbage collector. A request allocates a few hundred container objects
@@ -78,13 +79,13 @@ def route_path(scope: Scope) -> str:
 class GatewayApp:
     """The gateway's ASGI app: a dispatcher in front of Starlette.
 
-    A POST to one of ``proxy_routes`` (most of the traffic) goes straight to a plain ASGI exchange: ``admit``
-    answers a refusal itself or returns a ``ProxyExchange`` that runs the attempts and the relay. Starlette's stack
-    (two middlewares, the router's scan of the routes, three wrappers around every ``send``, so around every event
-    of a stream) measured 8-13% of the gateway's CPU per proxied request; here one wrapper notes whether the
-    response started. An exception before it starts is answered by ``error_response``, as Starlette's handlers
-    answer on the other routes, and a bug is raised again for the server's log; after the start nothing more can be
-    sent, and it is raised for the server, which closes the connection.
+    A POST to one of ``proxy_routes`` (most of the traffic) goes straight to the front half (``front.serve``): a
+    refusal rendered, or a ``ProxyExchange`` that runs the attempts and the relay. Starlette's stack (two
+    middlewares, the router's scan of the routes, three wrappers around every ``send``, so around every event of a
+    stream) measured 8-13% of the gateway's CPU per proxied request; here ``send`` is the server's. An exception
+    before the response starts is answered by ``error_response``, as Starlette's handlers answer on the other
+    routes, and a bug is raised again for the server's log; after the start nothing more can be sent, and it is
+    raised for the server, which closes the connection.
 
     Everything else, lifespan included, goes to ``starlette``, whose ``state.runtime`` its handlers read.
     """
@@ -118,32 +119,25 @@ class GatewayApp:
             route = self.proxy_routes.get(route_path(scope))
             if route is not None:
                 if scope["method"] == "POST":
-                    await self._exchange(route, scope, receive, send)
+                    await serve(self.runtime, route, scope, receive, send)
                 else:  # as Starlette's router answers a route without the method
                     refused = HTTPException(405, headers={"Allow": "POST"})
                     await error_response(refused, scope["method"], scope["path"])(scope, receive, send)
                 return
         await self.starlette(scope, receive, send)
 
-    async def _exchange(self, route: ProxyRoute, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
 
-        async def sender(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
+class Routed:
+    """A proxied route that Starlette's router matches (a path with a parameter, or one of the unclassified
+    POSTs): the same front half as the dispatcher's table."""
 
-        try:
-            answer = await admit(self.runtime, route, scope, receive)
-            await answer(scope, receive, sender)
-        except Exception as exc:
-            if started:
-                raise
-            await error_response(exc, "POST", route.path)(scope, receive, send)
-            if is_bug(exc):
-                raise
-            exc.__traceback__ = None  # a handled exception kept alive elsewhere would pile up tracebacks
+    __slots__ = ("route", "runtime")
+
+    def __init__(self, runtime: Runtime, route: ProxyRoute) -> None:
+        self.runtime, self.route = runtime, route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve(self.runtime, self.route, scope, receive, send)
 
 
 def _runtime(request: Request) -> Runtime:
@@ -203,11 +197,11 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> GatewayApp
             await rt.stop()
 
     routes = [
-        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
-        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
+        Route(RETRIEVE.path, Routed(rt, RETRIEVE), methods=["GET"]),
+        Route(DELETE.path, Routed(rt, DELETE), methods=["DELETE"]),
+        Route(CANCEL.path, Routed(rt, CANCEL), methods=["POST"]),
+        Route(TOKENIZE.path, Routed(rt, TOKENIZE), methods=["POST"]),
+        Route(DETOKENIZE.path, Routed(rt, DETOKENIZE), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),

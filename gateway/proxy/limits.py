@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import httptools
@@ -351,17 +351,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def client_limits(settings: Settings) -> ClientLimits:
-    return ClientLimits(
-        max_header_bytes=settings.max_header_bytes,
-        max_headers=settings.max_headers,
-        header_timeout_s=settings.header_timeout_s,
-        body_timeout_s=settings.body_timeout_s,
-        body_min_rate=settings.body_min_rate,
-        max_body_bytes=settings.max_body_bytes,
-        keep_alive_s=settings.keep_alive_s,
-        max_connections=settings.max_connections,
-        max_connections_per_client=settings.max_connections_per_client,
-    )
+    """The ``Settings`` of the same names (every field of ``ClientLimits`` is one)."""
+    return ClientLimits(**{f.name: getattr(settings, f.name) for f in fields(ClientLimits)})
 
 
 def http_protocol(limits: ClientLimits) -> type[asyncio.Protocol]:

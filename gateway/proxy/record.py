@@ -65,6 +65,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens the pool found in its prefix cache, when its usage said so
     tenant: str | None = None  # the tenant of its key (tenants configured only)
     trace: RequestTrace | None = None  # the request's spans when tracing is on (gateway.observability.tracing)
+    outcome: Outcome = "ok"  # how a forwarded request ended so far (its exchange and its client's presence set it)
     _finished: bool = False
 
     def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:

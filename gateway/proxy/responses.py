@@ -35,55 +35,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
-from gateway.errors import Conflict, GatewayError, InvalidParameter, NoCapacity, NotFound, PayloadTooLarge
+from gateway.errors import (
+    ResponseEndpointGone,
+    ResponseEndpointUnavailable,
+    ResponseNotFound,
+    ResponseStoreUnavailable,
+)
 from gateway.fleet.pools import EndpointState, PoolState
-from gateway.proxy.dialect import CHAT, ResponsesDialect, response_id_of
-from gateway.proxy.forward import ProxyExchange
-from gateway.proxy.headers import request_id
-from gateway.proxy.http import error_response
+from gateway.proxy.dialect import response_id_of
 from gateway.proxy.idempotency import store_owner, tenant_scope
-from gateway.proxy.job import ProxyJob
 from gateway.proxy.owned_ids import mint_response_id
-from gateway.proxy.record import RequestRecord
 from gateway.routing.plan import STICKY, Plan
 from gateway.routing.responses_features import valid_response_id
-from gateway.runtime.container import Runtime
 from gateway.store.base import Store, StoreUnavailable
 
 logger = logging.getLogger("specgate.responses")
 
 OnAnswer = Callable[[PoolState, EndpointState, bytes], Awaitable[None]]
-STATE_CLASS = "responses-state"  # the class label of GET / cancel of a stored response (not classified)
-
-
-async def read_limited(request: Request, limit: int) -> bytes:
-    """A body the route does not use, still read within the size limit."""
-    size, parts = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-class ResponseNotFound(NotFound):
-    default_code = "response_not_found"
-
-
-class ResponseEndpointGone(Conflict):
-    default_code = "response_endpoint_gone"
-
-
-class ResponseEndpointUnavailable(NoCapacity):
-    default_code = "response_endpoint_unavailable"
-
-
-class ResponseStoreUnavailable(NoCapacity):
-    default_code = "response_store_unavailable"
 
 
 # The records' key prefix. Records written before the gateway minted every id (under "resp:") may name ids a client
@@ -205,7 +174,7 @@ def stores_state(body: Mapping[str, Any]) -> bool:
     return body.get("store") is not False
 
 
-# --- the handlers -----------------------------------------------------------------------------------------------
+# --- creating a response ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,92 +212,6 @@ async def for_create(
     if stores_state(body):
         on_answer = recorder(store, scope, int(ttl_s * 1000), minted, store_owner(tenant, scope))
     return Sticky(pinned, on_answer, minted)
-
-
-def _query(request: Request) -> tuple[bool, str]:
-    """``GET /v1/responses/{id}``'s own parameters, checked and passed on: ``stream`` and ``starting_after``."""
-    params = request.query_params
-    stream_raw = params.get("stream", "false").lower()
-    if stream_raw not in ("true", "false"):
-        raise InvalidParameter("'stream' must be true or false", param="stream")
-    parts = ["stream=true"] if stream_raw == "true" else []
-    after = params.get("starting_after")
-    if after is not None:
-        if not after.isdigit() or len(after) > 9:
-            raise InvalidParameter("'starting_after' must be a non-negative integer", param="starting_after")
-        parts.append(f"starting_after={int(after)}")
-    return stream_raw == "true", ("?" + "&".join(parts)) if parts else ""
-
-
-async def _stateful(request: Request, method: str, suffix: str) -> Response | ProxyExchange:
-    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: to the endpoint holding it, once."""
-    rt: Runtime = request.app.state.runtime
-    rid = str(request.path_params["response_id"])
-    headers = request.headers
-    rec = RequestRecord(request_id(headers.get("x-request-id")), f"/v1/responses/{rid[:300]}{suffix}")
-    rec.traffic_class = STATE_CLASS
-    extra = {"x-request-id": rec.request_id}
-    try:
-        rt.authenticate(headers.get("authorization"))
-        stream, query = _query(request) if method == "GET" else (False, "")
-        if method == "POST":  # cancel takes no body; one is read (within the limit) and not passed on
-            await read_limited(request, rt.settings.max_body_bytes)
-        live = rt.live
-        pool, ep = await locate(
-            rt.store, live.pools, tenant_scope(headers.get("authorization")), rid, param="response_id"
-        )
-    except GatewayError as exc:
-        rec.status, rec.error = exc.status, exc.message
-        rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return error_response(exc, method, rec.path, extra.items())
-    rec.route_reason, rec.stream = STICKY, stream
-    job = ProxyJob(
-        path=f"/v1/responses/{rid}{suffix}{query}",
-        body=b"",
-        client_headers=list(headers.items()),
-        stream=stream,
-        plan=Plan((pool.name,), STICKY),
-        max_attempts=1,
-        record=rec,
-        extra_headers=[*extra.items(), ("x-specgate-route", STICKY)],
-        dialect=ResponsesDialect() if stream else CHAT,
-        pinned=(pool, ep),
-        method=method,
-    )
-    return ProxyExchange(job, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
-
-
-# Starlette routes (they have a path parameter): Starlette runs what they return, a ProxyExchange as any ASGI app.
-async def retrieve_response(request: Request) -> Response | ProxyExchange:
-    return await _stateful(request, "GET", "")
-
-
-async def cancel_response(request: Request) -> Response | ProxyExchange:
-    return await _stateful(request, "POST", "/cancel")
-
-
-async def delete_response(request: Request) -> Response:
-    """``DELETE /v1/responses/{id}``: the caller's record is dropped, and the id resolves no more (for ``GET``,
-    ``cancel``, ``previous_response_id``, ``DELETE``). vLLM 0.33 has no route to delete a stored response: nothing
-    is sent to the pool, which keeps it in memory until it restarts, out of every client's reach."""
-    rt: Runtime = request.app.state.runtime
-    rid = str(request.path_params["response_id"])
-    headers = request.headers
-    rec = RequestRecord(request_id(headers.get("x-request-id")), f"/v1/responses/{rid[:300]}")
-    rec.traffic_class, rec.route_reason = STATE_CLASS, "gateway"
-    extra = {"x-request-id": rec.request_id}
-    try:
-        rt.authenticate(headers.get("authorization"))
-        await read_limited(request, rt.settings.max_body_bytes)  # a body is read (within the limit) and ignored
-        await forget(rt.store, tenant_scope(headers.get("authorization")), rid)
-    except GatewayError as exc:
-        rec.status, rec.error = exc.status, exc.message
-        rec.finish("client_error" if exc.status < 500 else "no_capacity", rt.metrics, rt.access_log)
-        return error_response(exc, "DELETE", rec.path, extra.items())
-    rec.status = 200
-    rec.finish("ok", rt.metrics, rt.access_log)
-    body = orjson.dumps({"id": rid, "object": "response.deleted", "deleted": True})
-    return Response(body, 200, extra, "application/json")
 
 
 async def forget(store: Store, scope: bytes, response_id: str) -> None:

@@ -3,11 +3,12 @@
 A client that stops reading its response (a hung process, a full receive window it never drains) makes the server's
 ``send`` wait for the socket to drain, forever. While it waits, the gateway holds the upstream connection (its slot
 in the pool's connection pool) and the endpoint's in-flight count, so routing sees load that is not there and other
-clients find no free connection. ``SendGuard`` times every send to the client; ``ProxyResponse`` checks it every
-quarter of ``overload.client_send_timeout_s`` and, once one send has waited that long, cuts the client off: its
-connection is aborted (``abort_client``: the server then reports the disconnect and its pending send returns), so
-the ordinary disconnect path cancels the upstream request (a keyed request runs on to its end and is stored for
-the client's retry), and the response's cleanup releases the connection slot and the in-flight count.
+clients find no free connection. ``SendGuard`` times every send to the client; ``StallWatch`` checks it every
+quarter of ``overload.client_send_timeout_s`` and, once one send has waited that long, the client's presence
+(``gateway.proxy.presence``) cuts the client off: its connection is aborted (``abort_client``: the server then
+reports the disconnect and its pending send returns), so the ordinary disconnect path cancels the upstream request
+(a keyed request runs on to its end and is stored for the client's retry), and the exchange's cleanup releases the
+connection slot and the in-flight count.
 
 ``abort_client`` needs the server's transport: ``remember_transport`` keeps it in the scope when the app is called
 (uvicorn hands the app its ``RequestResponseCycle.send``, a bound method whose owner holds the transport). Without

@@ -24,6 +24,7 @@ from gateway.config.settings import Settings
 from gateway.config.tenants import load_tenants_file
 from gateway.errors import GatewayError, Unauthorized
 from gateway.fleet.health import HealthChecker
+from gateway.fleet.kv_events import KvEventFollower
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.vllm_metrics import PoolLoad
 from gateway.observability.logs import AccessLog
@@ -125,6 +126,9 @@ class Runtime:
             self.metrics,
             on_round=self.routing.on_scrape_round,
         )
+        # The KV events of the endpoints that name a publisher (every process follows them itself: each has its own
+        # prefix indexes).
+        self.kv_events = KvEventFollower(lambda: self.live.pools.values(), self.metrics.registry)
         # Idempotency records: Redis when configured, else memory. ``store`` is the health-tracking wrapper, so a
         # failure on the request path marks the store degraded at once; ``store_health`` pings it back to healthy.
         self.store_health = StoreHealth(
@@ -397,6 +401,7 @@ class Runtime:
         )
         self._tasks.append(asyncio.create_task(health, name="specgate-health"))
         self._tasks.append(asyncio.create_task(scrape, name="specgate-scrape"))
+        self._tasks.append(asyncio.create_task(self.kv_events.run(), name="specgate-kv-events"))
         self._tasks.append(asyncio.create_task(self.access_log.run(), name="specgate-access-log"))
         self._tasks.append(asyncio.create_task(self.store_health.run(), name="specgate-store-health"))
         try:  # overrides in force before the first request (a restart keeps them); else the task retries
@@ -426,6 +431,7 @@ class Runtime:
         await self.reloader.stop()
         await self.health.close()
         await self.scraper.close()
+        await self.kv_events.close()
         await self.store_health.close()
         await self.overrides.close()
         if self.tenancy is not None:

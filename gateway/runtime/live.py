@@ -59,6 +59,7 @@ class LiveConfig:
                     if prev is not None:
                         prev.weight = ep.weight
                         prev.configured_weight = ep.configured_weight
+                        prev.kv_events = ep.kv_events
                         pool.endpoints[i] = prev
                 pool.size_indexes()  # the reloaded affinity block's sizes apply to the carried-over indexes too
         models = tuple(dict.fromkeys(m for p in rules.pools for m in p.models))

@@ -5,7 +5,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming and n
 ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (``responses``), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``,
 ``GET /health`` and ``GET /ping`` (200 empty; 503 when faulted or the engine is stopped), ``GET /version``,
-``GET /metrics``; ``GET /sim/stats``, ``GET/PUT /sim/faults``, ``POST /sim/faults/reset``, ``GET /sim/options``.
+``GET /metrics``, ``POST /reset_prefix_cache`` (vLLM's dev-mode route); ``GET /sim/stats``, ``GET/PUT /sim/faults``,
+``POST /sim/faults/reset``, ``GET /sim/options``.
 ``--api-key`` protects ``/v1/*`` only, like vLLM's middleware.
 
 A generation request: parse and validate like vLLM (``wire.parse_request``; an ``X-Vllm-Priority`` header
@@ -265,6 +266,12 @@ def create_sim_app(options: SimOptions) -> Starlette:
                 return error_response(wire.WireError(400, str(exc)))
         return json_response(state.faults.faults.to_json())
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM's dev-mode route (VLLM_SERVER_DEV_MODE=1): 200 with no body; a cache that running sequences still
+        # hold is left as it is, as vLLM leaves it (its log says so; the answer does not).
+        state.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     async def sim_faults_reset(request: Request) -> Response:
         await state.faults.apply(Faults())
         return json_response(state.faults.faults.to_json())
@@ -312,6 +319,7 @@ def create_sim_app(options: SimOptions) -> Starlette:
         Route("/ping", health, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", sim_faults, methods=["GET", "PUT"]),
         Route("/sim/faults/reset", sim_faults_reset, methods=["POST"]),

@@ -16,10 +16,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.config.settings import Settings
 from gateway.errors import BadRequest
-from gateway.proxy import app as app_module
+from gateway.proxy import front as front_module
 from gateway.proxy.app import PROXY_ROUTES, GatewayApp, create_app
+from gateway.proxy.front import ProxyRoute
 from gateway.proxy.http import exception_handlers
-from gateway.proxy.intake import ProxyRoute
+from gateway.proxy.intake import classified
 
 RULES = Path(__file__).resolve().parents[2] / "routing_rules" / "default.yaml"
 PATH = "/v1/chat/completions"
@@ -75,9 +76,9 @@ def _apps(behaviour: str, monkeypatch: pytest.MonkeyPatch) -> tuple[GatewayApp, 
         assert isinstance(answer, Response)
         return answer
 
-    monkeypatch.setattr(app_module, "admit", admit)
+    monkeypatch.setattr(front_module, "admit", admit)
     others = Starlette(routes=[Route("/health", endpoint, methods=["GET"])], exception_handlers=exception_handlers())
-    dispatcher = GatewayApp(None, [ProxyRoute(PATH, "chat")], others)  # type: ignore[arg-type]
+    dispatcher = GatewayApp(None, [ProxyRoute(PATH, "chat", classified)], others)  # type: ignore[arg-type]
     plain = Starlette(routes=[Route(PATH, endpoint, methods=["POST"])], exception_handlers=exception_handlers())
     return dispatcher, plain
 

@@ -18,8 +18,9 @@ from gateway.config.settings import Settings
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.proxy.app import create_app
-from gateway.proxy.idempotency import KeyClaim, Recorder, StoredResponse, parse_key, store_key, tenant_scope
+from gateway.proxy.idempotency import KeyClaim, parse_key, store_key, tenant_scope
 from gateway.proxy.record import RequestRecord
+from gateway.proxy.stored_response import Recorder, StoredResponse
 from gateway.store.base import ClaimResult, Completed, Running, StoreUnavailable
 from gateway.store.memory import MemoryStore
 from gateway.testing.fake_upstream import FakeUpstreamServer

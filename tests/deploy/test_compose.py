@@ -23,7 +23,8 @@ import yaml
 
 from gateway.cli.main import app
 from gateway.config.loader import load_rules_file
-from gateway.config.settings import ENV_PREFIX, Settings
+from gateway.config.setting_spec import ENV_PREFIX
+from gateway.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

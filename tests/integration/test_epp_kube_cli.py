@@ -45,7 +45,7 @@ def ids(admin: int, pool: str) -> list[tuple[str, str]]:
     return [(e["id"], e["url"]) for e in pools(admin)[pool]["endpoints"] if e["weight"] > 0]
 
 
-def wait_for(check: Any, timeout_s: float = 20) -> None:
+def wait_for(check: Any, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -86,5 +86,5 @@ def test_the_picker_takes_its_endpoints_from_the_pods(tmp_path: Path, api: FakeA
         assert set(api.selectors) == {"app=vllm"}
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        proc.wait(timeout=30)
     assert proc.returncode == 0, (tmp_path / "epp.log").read_text()[-2000:]

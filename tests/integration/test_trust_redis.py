@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from gateway.cluster.snapshot import MAX_SNAPSHOT_BYTES
-from gateway.proxy.idempotency import StoredResponse, fingerprint, store_key
+from gateway.proxy.idempotency import fingerprint, store_key
+from gateway.proxy.stored_response import StoredResponse
 from gateway.testing.fake_upstream import FakeUpstreamServer
 from tests.conftest import MODEL, RedisServer, ServerThread, rules_for
 

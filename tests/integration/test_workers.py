@@ -117,22 +117,30 @@ def test_every_worker_answers_the_same_totals(gateway_2_workers: Gateway) -> Non
     def one(i: int) -> int:
         return httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10).status_code
 
-    with ThreadPoolExecutor(max_workers=REQUESTS) as pool:
-        statuses = list(pool.map(one, range(REQUESTS)))
-    assert statuses == [200] * REQUESTS
-
-    # A request is counted just after its last byte went out: wait until the workers have booked all of them.
-    deadline = time.monotonic() + 5
-    while sum((by_worker := _requests_by_worker(metrics_dir)).values()) < REQUESTS and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert sum(by_worker.values()) == REQUESTS
-    # Both workers served some: otherwise a scrape of either worker would show 20 or 0 even without merging.
+    # Which worker accepts a connection is the kernel's choice: on a loaded machine one worker can take a whole
+    # burst (the other still starting, or not woken in time). Bursts go out until both have served some, so the
+    # merge below is checked across two workers' files, not one.
+    sent = 0
+    deadline = time.monotonic() + 60
+    while True:
+        with ThreadPoolExecutor(max_workers=REQUESTS) as pool:
+            statuses = list(pool.map(one, range(REQUESTS)))
+        assert statuses == [200] * REQUESTS
+        sent += REQUESTS
+        # A request is counted just after its last byte went out: wait until the workers have booked all of them.
+        booked = time.monotonic() + 15
+        while sum((by_worker := _requests_by_worker(metrics_dir)).values()) < sent and time.monotonic() < booked:
+            time.sleep(0.02)
+        assert sum(by_worker.values()) == sent
+        if len([n for n in by_worker.values() if n > 0]) == 2 or time.monotonic() > deadline:
+            break
+    # Both workers served some: otherwise a scrape of either worker would show the total or 0 even without merging.
     assert len([n for n in by_worker.values() if n > 0]) == 2, by_worker
     assert not list(metrics_dir.glob(f"*_{gw.proc.pid}.db"))  # the parent (uvicorn's supervisor) writes nothing
 
     for _ in range(10):
         total, in_flight = _scrape(gw.url)
-        assert total == REQUESTS
+        assert total == sent
         assert in_flight, "no specgate_in_flight_requests samples"
         assert all(v == 0 for v in in_flight), in_flight
 

@@ -200,7 +200,7 @@ async def test_memory_store_keeps_its_stored_bytes_within_the_budget_oldest_comp
 
 
 def test_the_recorder_stops_keeping_bytes_past_its_limit_and_stores_the_410_marker() -> None:
-    from gateway.proxy.idempotency import NOT_STORED_CODE, Recorder
+    from gateway.proxy.stored_response import NOT_STORED_CODE, Recorder
 
     rec = Recorder(limit=100)
     rec.record({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"r1")]})

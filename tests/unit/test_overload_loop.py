@@ -149,7 +149,7 @@ def test_every_planned_pool_full_is_shed_at_once_with_retry_after() -> None:
     assert r.body["error"]["code"] == "overloaded"
     assert r.body["error"]["type"] == "service_unavailable"
     assert r.posts == {"a": [], "b": []}
-    assert r.response.outcome == "overloaded"
+    assert r.response.job.record.outcome == "overloaded"
     assert sample(r.metrics, "specgate_shed_total", **{"class": "c", "pool": "a", "reason": "admission"}) == 1
     assert sample(r.metrics, "specgate_requests_total", **{"class": "c", "pool": "none", "outcome": "overloaded"}) == 1
 

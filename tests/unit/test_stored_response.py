@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.proxy.idempotency import StoredResponse
+from gateway.proxy.stored_response import StoredResponse
 from gateway.store.base import Completed
 from gateway.store.memory import MemoryStore
 
