@@ -271,7 +271,7 @@ def state_dict(rt: Runtime) -> dict[str, Any]:
         # With --workers N: the worker that answered, and every live worker's config digest.
         "worker": rt.worker_group.describe(live.digest) if rt.worker_group is not None else None,
         # With a tenants file: each tenant's settings, in-flight requests against its share of each pool, and how
-        # many were shed and limited since start (this process); null without tenants.
+        # many were shed and limited since start and in the last minutes (this process); null without tenants.
         "tenants": None
         if rt.tenancy is None
         else rt.tenancy.describe({name: rt.attempts.admission(pool)[1] for name, pool in live.pools.items()}),

@@ -278,7 +278,9 @@ def _schemas() -> dict[str, Any]:
                     "type": ["array", "null"],
                     "items": {"type": "object"},
                     "description": "with a tenants file: name, priority, weight, in_flight, shed and limited since "
-                    "start (this process), limits, and by pool its in_flight, fair share and the pool's bound",
+                    "start and (recent: window_s, shed, limited) in the last minutes (this process), limits, and by "
+                    "pool its in_flight, fair share and the pool's bound; waiting: its requests in each pool's "
+                    "waiting room",
                 },
                 "now": {"type": "number", "description": "the gateway's clock, epoch seconds"},
                 "admin": {

@@ -10,6 +10,9 @@ Starts one simulated vLLM server (``specgate sim``, ``--max-num-seqs`` M) and th
    of that through over the phase: a burst of 2.5 C x the phase, then its refill), and
    with ``--high-priority`` a third tenant of a better priority at 0.1 C.
 
+At the full pool a request waits up to ``--wait`` seconds (the tenants file's ``waiting.wait_s``; 0: shed at
+once) in the gateway's waiting room, best priority and fair share first.
+
 The steady tenant has share weight 2 by default (``--steady-weight``): with equal weights its fair share is half
 the bound, and its Poisson bursts at 20% of capacity reach that now and then, when it is shed as the rule says.
 
@@ -74,6 +77,7 @@ class TenantsRun:
     duration_s: float
     priority: bool = False  # the simulator ran --scheduling-policy priority
     steady_weight: float = 2.0
+    wait_s: float = 2.0  # the tenants file's waiting.wait_s
 
     def steady_ratio(self) -> float | None:
         a, b = self.alone["steady"].quantile(0.99), self.flood["steady"].quantile(0.99)
@@ -91,7 +95,7 @@ class TenantsRun:
         if not f.shed or not f.limited:
             out.append(f"flood tenant: {f.shed} shed, {f.limited} limited (want both > 0)")
         gold = self.flood.get("gold")
-        if gold is not None and self.priority:  # only vLLM's priority scheduling serves it first
+        if gold is not None and self.priority:  # the fast lane, and vLLM's priority scheduling past the bound
             best = gold.quantile(0.99)
             others = [r.quantile(0.99) for name, r in self.flood.items() if name != "gold"]
             if best is None or any(o is not None and best >= o for o in others):
@@ -99,14 +103,15 @@ class TenantsRun:
         return out
 
 
-def tenants_yaml(flood_rpm: int, steady_weight: float = 2.0) -> dict[str, Any]:
+def tenants_yaml(flood_rpm: int, steady_weight: float = 2.0, wait_s: float = 2.0) -> dict[str, Any]:
     return {
+        "waiting": {"wait_s": wait_s},
         "tenants": [
             {"name": "flood", "keys": [KEYS["flood"]], "limits": {"requests_per_minute": flood_rpm}},
             {"name": "steady", "keys": [KEYS["steady"]], "weight": steady_weight},
             {"name": "gold", "keys": [KEYS["gold"]], "priority": -1},
             {"name": "probe", "keys": [KEYS["probe"]]},
-        ]
+        ],
     }
 
 
@@ -210,6 +215,7 @@ def bench_tenants(
     time_scale: float = 1.0,
     high_priority: bool = False,
     steady_weight: float = 2.0,
+    wait_s: float = 2.0,
     seed: int = 7,
 ) -> TenantsRun:
     sim_port, gw_port = free_port(), free_port()
@@ -230,7 +236,7 @@ def bench_tenants(
             max_tokens = output_len * 2
 
             def start_gateway(flood_rpm: int) -> subprocess.Popen[bytes]:
-                tenants.write_text(yaml.safe_dump(tenants_yaml(flood_rpm, steady_weight), sort_keys=False))
+                tenants.write_text(yaml.safe_dump(tenants_yaml(flood_rpm, steady_weight, wait_s), sort_keys=False))
                 cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--port", str(gw_port)]
                 cmd += ["--host", "127.0.0.1", "--tenants-file", str(tenants), "--log-level", "warning"]
                 cmd += ["--admin-port", "0", "--health-interval", "0.5"]
@@ -261,7 +267,7 @@ def bench_tenants(
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-    return TenantsRun(capacity, alone, flood, flood_rpm, max_num_seqs, duration_s, priority, steady_weight)
+    return TenantsRun(capacity, alone, flood, flood_rpm, max_num_seqs, duration_s, priority, steady_weight, wait_s)
 
 
 def _ms(x: float | None) -> str:
@@ -273,7 +279,7 @@ def render(run: TenantsRun) -> str:
         f"pool: 1 simulated endpoint, max_num_seqs {run.max_num_seqs} (admission bound {run.max_num_seqs}); "
         f"capacity {run.capacity_rps:.1f} req/s; flood limited to {run.flood_rpm} requests/min; "
         f"{run.duration_s:g} s per phase; vLLM scheduling: {'priority' if run.priority else 'fcfs'}; "
-        f"weights: steady {run.steady_weight:g}, flood 1, gold 1 (priority -1)",
+        f"weights: steady {run.steady_weight:g}, flood 1, gold 1 (priority -1); waiting room: {run.wait_s:g} s",
         "",
         f"{'phase':<7} {'tenant':<7} {'rate/s':>7} {'sent':>6} {'ok':>6} {'shed':>6} {'limited':>8} "
         f"{'p50 ms':>7} {'p99 ms':>7}",

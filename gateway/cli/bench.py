@@ -104,6 +104,7 @@ def bench_tenants_cmd(
         bool, typer.Option("--high-priority", help="Add a tenant of a better priority at 10% of capacity.")
     ] = False,
     steady_weight: Annotated[float, typer.Option(help="Share weight of the steady tenant (the flood's is 1).")] = 2.0,
+    wait: Annotated[float, typer.Option(help="Seconds a request may wait at the full pool (0: shed at once).")] = 2.0,
 ) -> None:
     """Tenants on a simulated pool: one flooding at 5x capacity, one steady at 20%: sent, ok, shed, limited,
     p50/p99 per tenant, and the steady tenant's p99 with the flood against alone."""
@@ -117,6 +118,7 @@ def bench_tenants_cmd(
             time_scale=time_scale,
             high_priority=high_priority,
             steady_weight=steady_weight,
+            wait_s=wait,
         )
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc

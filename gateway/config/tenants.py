@@ -2,7 +2,8 @@
 tenant's priority, share weight and limits.
 
 It holds client keys, so it is a secret like the keys file and lives apart from the routing YAML (which is meant to
-be committed). Read once at start-up; a problem stops the start with every issue named by its path::
+be committed). Read at start-up (a problem stops the start with every issue named by its path) and reloaded when
+it changes (``gateway.runtime.tenants_reload``)::
 
     tenants:
       - name: search              # the label of its metrics and log lines
@@ -15,6 +16,9 @@ be committed). Read once at start-up; a problem stops the start with every issue
           requests_per_minute: 600
           tokens_per_minute: 200000
           reserve_output_tokens: 1024   # reserved when a request sets no max_tokens
+    waiting:                      # at a full pool: wait for a slot, best priority and fair share first
+      wait_s: 2
+      max_waiting_per_pool: 256
 """
 
 from __future__ import annotations
@@ -71,8 +75,21 @@ class Tenant(Strict):
         return lim.requests_per_minute is not None or lim.tokens_per_minute is not None
 
 
+class Waiting(Strict):
+    """The waiting room of a full pool (``gateway.routing.waiting_room``): how long a request that would be shed
+    waits for a slot, and how many may wait per pool in each process. ``wait_s: 0``: shed at once."""
+
+    wait_s: Number = Field(
+        2.0, ge=0, le=60, description="Longest wait for a slot of a full pool before the request is shed (503)."
+    )
+    max_waiting_per_pool: int = Field(
+        256, ge=0, le=100_000, description="Waiters per pool; a better-ranked arrival sheds the worst one."
+    )
+
+
 class TenantsFile(Strict):
     tenants: list[Tenant] = Field(min_length=1, max_length=MAX_TENANTS)
+    waiting: Waiting = Field(default_factory=Waiting)
 
     @model_validator(mode="after")
     def _unique(self) -> TenantsFile:

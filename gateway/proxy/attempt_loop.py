@@ -87,7 +87,9 @@ async def open_upstream(
                 break
             if pool.name in full:
                 continue
-            if job.pinned is None and not _admitted(job, policy, pool):
+            if job.pinned is None and not (
+                policy.admits(pool) if job.ticket is None else await _admitted(job, policy, pool)
+            ):
                 full.append(pool.name)
                 continue
             if failures and failures[-1].backpressure and policy.busy(pool, ep):
@@ -164,20 +166,15 @@ async def open_upstream(
         raise
 
 
-def _admitted(job: ProxyJob, policy: AttemptPolicy, pool: PoolState) -> bool:
-    """Admission control. With tenants (gateway.routing.fairshare): at the bound, a tenant at or under its fair
-    share (or of a better priority) still gets in while another is above its share; below it, a tenant above its
-    share leaves the last free slots to the others."""
+async def _admitted(job: ProxyJob, policy: AttemptPolicy, pool: PoolState) -> bool:
+    """Admission control with tenants (``Ticket.admission``): fair share and priority at the bound, and at the plan's
+    last pool a bounded wait for a slot, best priority and fair share first. Without tenants the loop calls
+    ``policy.admits`` itself (no coroutine per attempt)."""
     ticket = job.ticket
     if ticket is None:
         return policy.admits(pool)
-    in_flight, bound = policy.admission(pool)
-    if bound is None:
-        return True
-    if in_flight < bound and not ticket.holds_back(pool.name, in_flight, bound):
-        return True
-    # At the bound, or held back from the last free slots: never worse off than at the bound.
-    return ticket.admit_at_bound(pool.name, in_flight, bound)
+    last = job.plan.pools[-1] == pool.name
+    return await ticket.admission(pool.name, lambda: policy.admission(pool), last)
 
 
 async def _attempt(

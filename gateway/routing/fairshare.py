@@ -15,9 +15,13 @@ under their share get in past the bound, so in-flight stays under ``2 x bound`` 
 
 Just below the bound (``hold_back``), a request of a tenant above its share leaves the last free slots to the
 others: one for each tenant of a better priority holding requests in the pool and one for each tenant of its band
-under its share. Without that, a flood refills every slot the moment it frees, and every request of the
-other tenants arrives at a full pool and waits in vLLM's queue past the bound; with it, their next request finds a
-free slot of the batch. It costs at most one slot per other tenant present, and only while one is present.
+under its share. And while a better priority is configured, no request of a worse one takes the pool's last free
+slot, whoever holds it: the fast lane for the better priority's next request. Without that, a flood refills every
+slot the moment it frees, and the other tenants' requests arrive at a full pool and wait in vLLM's queue past the
+bound: vLLM's priority policy orders its queue, and preempts when the KV cache is full, not when the batch is, so
+even a request of the best priority waits there for the next sequence to finish. With it, their next request finds
+a free slot of the batch. It costs one slot per other tenant present, only to tenants above their share, and the
+fast lane's one slot to the worse priorities.
 
 Pure: plain numbers in, a decision out.
 """
@@ -80,18 +84,25 @@ def hold_back(
     bound: int,
     in_flight: int,
     priority: int | None = None,
+    best: int | None = None,
 ) -> bool:
-    """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? Only a tenant above
-    its share does: it keeps one slot free for each tenant of a better priority holding requests in the pool and for
-    each tenant of its band under its share, whose next request then finds a free slot of the batch instead of
-    waiting in vLLM's queue past the bound. A tenant within its share is never held back."""
-    if in_flight + len(counts) < bound:
-        return False  # more free slots than there are other tenants: nothing to keep
+    """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? A request of a
+    worse priority than ``best`` (the best priority configured) never takes the last free slot: the fast lane, for
+    a better priority's next request. Beyond that only a tenant above its share is held back: it keeps one slot
+    free for each tenant of a better priority holding requests in the pool (at least the fast lane) and for each
+    tenant of its band under its share, whose next request then finds a free slot of the batch instead of waiting in
+    vLLM's queue past the bound."""
+    if in_flight + len(counts) + 1 < bound:
+        return False  # more free slots than there are other tenants (and the fast lane): nothing to keep
     known = tenants.get(tenant)
     if known is None:
         return False
     mine = known if priority is None else TenantWeight(known.weight, priority)
+    if best is None:
+        best = min(t.priority for t in tenants.values())
     active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
+    if best < mine.priority and in_flight + 1 >= bound:
+        return True  # the fast lane: the last free slot is for a better priority's next request
     if not active:
         return False
     better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
@@ -100,7 +111,7 @@ def hold_back(
     shares = fair_shares(max(0, bound - better), band)
     if counts.get(tenant, 0) + 1 <= math.ceil(shares[tenant]):
         return False  # within its share (as admit_at_bound counts it): it takes the slot
-    keep = sum(1 for t in active.values() if t.priority < mine.priority)
+    keep = max(1 if best < mine.priority else 0, sum(1 for t in active.values() if t.priority < mine.priority))
     keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
     return in_flight + keep >= bound
 

@@ -44,6 +44,7 @@ from gateway.runtime.live import LiveConfig
 from gateway.runtime.parse_pool import ParsePool
 from gateway.runtime.reload import Reloader, ReloadResult
 from gateway.runtime.tenants import Tenancy
+from gateway.runtime.tenants_reload import TenantsReloader
 from gateway.runtime.workers import WorkerGroup
 from gateway.store.base import Store, StoreUnavailable
 from gateway.store.health import StoreHealth, build_store
@@ -81,6 +82,7 @@ class Runtime:
         self._key_digests = frozenset(hashlib.sha256(k.encode()).digest() for k in keys)
         # Tenants (--tenants-file): their keys, limits, priority and share weight. None: none of that is done.
         self.tenancy: Tenancy | None = None
+        self.tenants_reloader: TenantsReloader | None = None  # the tenants file watched and re-read
         if settings.tenants_file is not None:
             limiter: RateLimiter = (
                 RedisRateLimiter.from_url(settings.redis_url) if settings.redis_url else MemoryRateLimiter()
@@ -93,6 +95,7 @@ class Runtime:
                 settings.workers,
             )
             self._key_digests = self.tenancy.key_digests
+            self.tenants_reloader = TenantsReloader(settings.tenants_file, self.tenancy, keys, self._set_keys)
         token = (settings.metrics_token or "").strip()
         self._metrics_digest = hashlib.sha256(token.encode()).digest() if token else None
         self.health = HealthChecker(
@@ -305,8 +308,14 @@ class Runtime:
         return cls(settings, LiveConfig.build(rules, str(path), text))
 
     async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult:
-        """Re-read the routing YAML; validated completely before one swap of ``live`` (``gateway.runtime.reload``)."""
+        """Re-read the routing YAML; validated completely before one swap of ``live`` (``gateway.runtime.reload``);
+        and the tenants file (``gateway.runtime.tenants_reload``)."""
+        if self.tenants_reloader is not None:
+            self.tenants_reloader.reload(trigger)
         return await self.reloader.reload(trigger, actor)
+
+    def _set_keys(self, digests: frozenset[bytes]) -> None:
+        self._key_digests = digests
 
     async def apply_overrides(self) -> list[Override]:
         """After a config swap: re-apply the active overrides to the new config (synchronously, before the first
@@ -406,6 +415,9 @@ class Runtime:
             logger.warning("overrides not loaded at start-up (%s); retrying in the background", exc)
         self._tasks.append(asyncio.create_task(self.overrides.run(), name="specgate-overrides"))
         self.reloader.start()
+        if self.tenants_reloader is not None and self.reloader.watch_interval_s > 0:
+            watch = self.tenants_reloader.watcher(self.reloader.watch_interval_s).run()
+            self._tasks.append(asyncio.create_task(watch, name="specgate-tenants-watch"))
         if self.worker_group is not None:
             self.worker_group.publish(self.live.digest)
 

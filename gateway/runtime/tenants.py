@@ -14,20 +14,26 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFile
 from gateway.errors import BadRequest, RateLimited, Unauthorized
+from gateway.observability.recent_counts import RecentCounts
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
+from gateway.routing.waiting_room import WaitingRoom
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
 logger = logging.getLogger("specgate")
 
 PRIORITY_HEADER = "x-specgate-priority"
+# A waiter looks again this often even when no request of this process left the pool: slots freed by another replica
+# (shared counts), a bound raised by a reload or an endpoint back, a better band that now lets it in.
+_RECHECK_S = 0.25
+Load = Callable[[], tuple[int, int | None]]  # a pool's requests in flight against its admission bound
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d{1,12})')
 
 
@@ -71,6 +77,8 @@ class TenantState:
     in_flight: int = 0
     shed: int = 0  # since start, in this process (for /admin/state and the console)
     limited: int = 0
+    # Shed and limited in the last few minutes, in this process (the console's panel).
+    recent: RecentCounts = field(default_factory=lambda: RecentCounts(("shed", "limited")))
 
 
 class Ticket:
@@ -112,6 +120,51 @@ class Ticket:
                 counts[self.tenant.name] = left
             else:
                 counts.pop(self.tenant.name, None)
+            self.tenancy.pump(pool)
+
+    async def admission(self, pool: str, load: Load, can_wait: bool) -> bool:
+        """Admission control with tenants: below the bound admitted (unless held back from the last free slots), at
+        it admitted by fair share and priority (``gateway.routing.fairshare``); otherwise, where the request has no
+        other pool to go to (``can_wait``), it waits in the pool's waiting room (``gateway.routing.waiting_room``)
+        up to ``waiting.wait_s``. False: shed."""
+        tenancy = self.tenancy
+        in_flight, bound = load()
+        if bound is None:
+            return True
+        room = tenancy.rooms.get(pool)
+        if room is not None and room.waiters:
+            tenancy.pump(pool, load)  # slots freed where no request of this process left: the waiters' first
+        taken = in_flight + (room.granted if room is not None else 0)
+        if taken < bound and not self.holds_back(pool, taken, bound):
+            return True
+        if self.admit_at_bound(pool, taken, bound):
+            return True
+        wait_s = tenancy.waiting_s
+        if not can_wait or wait_s <= 0:
+            return False
+        if room is None:
+            room = tenancy.rooms[pool] = WaitingRoom()
+        room.load = load
+        counts = tenancy.pool_counts.get(pool, {})
+        weight = tenancy.weights.get(self.name, TenantWeight(1.0, 0)).weight  # its tenant removed by a reload: 1
+        waiter = room.join(self.name, self.priority, weight, counts, tenancy.room_size)
+        if waiter is None:
+            return False
+
+        def look_again() -> bool:  # no slot handed to it yet: freed elsewhere, or a better band lets it in now?
+            tenancy.pump(pool, load)
+            if waiter.future.done():
+                return False
+            in_flight, bound = load()
+            return bound is None or self.admit_at_bound(pool, in_flight + room.granted, bound)
+
+        admitted = False
+        try:
+            admitted = await room.wait(waiter, wait_s, _RECHECK_S, look_again)
+            return admitted
+        finally:
+            if room.done(waiter) and not admitted:
+                tenancy.pump(pool)  # granted, then cancelled before entering: the slot goes to the next waiter
 
     def admit_at_bound(self, pool: str, in_flight: int, bound: int | None) -> bool:
         """The pool is at its admission bound: is this request admitted anyway (``gateway.routing.fairshare``)?"""
@@ -126,7 +179,8 @@ class Ticket:
         counts = self.tenancy.pool_counts.get(pool)
         if bound is None or not counts:
             return False
-        return hold_back(self.tenant.name, counts, self.tenancy.weights, bound, in_flight, self.priority)
+        tenancy = self.tenancy
+        return hold_back(self.tenant.name, counts, tenancy.weights, bound, in_flight, self.priority, tenancy.best)
 
     def observe(self, data: bytes) -> None:
         """A body or event of the answer: keep the usage it reports (tenants with a tokens limit only)."""
@@ -158,31 +212,65 @@ class Tenancy:
         self.metrics = metrics
         self.limiter = limiter
         self._fallback = MemoryRateLimiter()  # while Redis fails: each process counts alone
+        self._split = max(1, workers)
         self._by_digest: dict[bytes, TenantState] = {}
-        self.tenants: dict[str, TenantState] = {}
-        self.weights: dict[str, TenantWeight] = {NO_TENANT: TenantWeight(1.0, 0)}
-        split = max(1, workers)
-        for t in spec.tenants:
-            limit = t.limits.max_concurrent
-            state = TenantState(t.name, t, None if limit is None else math.ceil(limit / split))
-            self.tenants[t.name] = state
-            self.weights[t.name] = TenantWeight(t.weight, t.priority)
-            for key in t.keys:
-                self._by_digest[hashlib.sha256(key.encode()).digest()] = state
-        anonymous = TenantState(NO_TENANT, None, None)
-        self.tenants[NO_TENANT] = anonymous
-        for key in plain_keys:
-            self._by_digest.setdefault(hashlib.sha256(key.encode()).digest(), anonymous)
+        self.tenants: dict[str, TenantState] = {NO_TENANT: TenantState(NO_TENANT, None, None)}
+        self.weights: dict[str, TenantWeight] = {}
         # The requests of each tenant in flight per pool, in this process (fair share at the admission bound).
         self.pool_counts: dict[str, dict[str, int]] = {}
+        # Each full pool's waiters (created at the first wait), and how long and how many may wait.
+        self.rooms: dict[str, WaitingRoom] = {}
+        self.best = 0  # the best priority configured (the fast lane)
+        self.waiting_s = 0.0
+        self.room_size = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        for name in self.tenants:  # every label present from the start
-            metrics.in_flight.labels(name).set(0)
+        self.update(spec, plain_keys)
+
+    def update(self, spec: TenantsFile, plain_keys: frozenset[str]) -> None:
+        """Put a tenants file in force (at start, and when the file changes): keys, priorities, weights, limits and
+        the waiting room's settings, swapped at once. A tenant that stays keeps its requests in flight and its
+        counts; the requests of a removed one finish under it (its keys get 401 from now on); a new one starts
+        at zero. The requests and tokens buckets are by tenant name, so they carry over too."""
+        old = self.tenants
+        tenants: dict[str, TenantState] = {}
+        by_digest: dict[bytes, TenantState] = {}
+        weights = {NO_TENANT: TenantWeight(1.0, 0)}
+        for t in spec.tenants:
+            limit = None if t.limits.max_concurrent is None else math.ceil(t.limits.max_concurrent / self._split)
+            state = old.get(t.name)
+            if state is None or state.spec is None:
+                state = TenantState(t.name, t, limit)
+                self.metrics.in_flight.labels(t.name).set(0)  # every label present from the start
+            state.spec, state.max_concurrent = t, limit
+            tenants[t.name] = state
+            weights[t.name] = TenantWeight(t.weight, t.priority)
+            for key in t.keys:
+                by_digest[hashlib.sha256(key.encode()).digest()] = state
+        anonymous = tenants[NO_TENANT] = old[NO_TENANT]
+        self.metrics.in_flight.labels(NO_TENANT).inc(0)
+        for key in plain_keys:
+            by_digest.setdefault(hashlib.sha256(key.encode()).digest(), anonymous)
+        self.tenants, self._by_digest, self.weights = tenants, by_digest, weights
+        self.best = min(w.priority for w in weights.values())
+        self.waiting_s = float(spec.waiting.wait_s)
+        self.room_size = spec.waiting.max_waiting_per_pool
+
+    def pump(self, pool: str, load: Load | None = None) -> None:
+        """Slots of ``pool`` may have freed: hand them to its best waiters (``WaitingRoom.refill``)."""
+        room = self.rooms.get(pool)
+        if room is not None and room.waiters:
+            room.refill(self.pool_counts.get(pool, {}), self.weights, self.best, load)
 
     def describe(self, bounds: Mapping[str, int | None]) -> list[dict[str, Any]]:
         """Each tenant now, for ``/admin/state`` and the console: its settings, its requests in flight and, in each
-        pool it has requests in, how many against its fair share of the pool's bound (``bounds``)."""
+        pool it has requests in, how many against its fair share of the pool's bound (``bounds``), and its requests
+        waiting in each pool's waiting room."""
         out = []
+        waiting: dict[str, dict[str, int]] = {}
+        for pool, room in self.rooms.items():
+            for waiter in room.waiters:
+                mine = waiting.setdefault(waiter.tenant, {})
+                mine[pool] = mine.get(pool, 0) + 1
         for name, state in self.tenants.items():
             w = self.weights[name]
             pools = {}
@@ -200,8 +288,10 @@ class Tenancy:
                     "in_flight": state.in_flight,
                     "shed": state.shed,
                     "limited": state.limited,
+                    "recent": {"window_s": state.recent.window_s, **state.recent.totals()},
                     "limits": None if spec is None else spec.limits.model_dump(),
                     "pools": pools,
+                    "waiting": waiting.get(name, {}),
                 }
             )
         return out
@@ -253,6 +343,7 @@ class Tenancy:
         if spec is not None:
             if tenant.max_concurrent is not None and tenant.in_flight >= tenant.max_concurrent:
                 tenant.limited += 1
+                tenant.recent.add("limited")
                 self.metrics.limited.labels(tenant.name, "concurrent").inc()
                 self.metrics.requests.labels(tenant.name, "limited").inc()
                 raise RateLimited(
@@ -268,6 +359,7 @@ class Tenancy:
                 if not got.allowed:
                     kind = got.refused_by or "requests"
                     tenant.limited += 1
+                    tenant.recent.add("limited")
                     self.metrics.limited.labels(tenant.name, kind).inc()
                     self.metrics.requests.labels(tenant.name, "limited").inc()
                     raise _limited(tenant.name, kind, got, cost, headers)
@@ -291,6 +383,7 @@ class Tenancy:
         m.requests.labels(tenant.name, outcome).inc()
         if outcome == "overloaded":
             tenant.shed += 1
+            tenant.recent.add("shed")
             m.shed.labels(tenant.name).inc()
         if ticket.reserved <= 0 or tenant.spec is None:
             return

@@ -365,3 +365,53 @@ def test_read_only_without_a_token(gw_readonly: Serve, page: Any) -> None:
     expect(page.locator('[data-explain="first-pool"]')).to_have_text("spec")
     shot(page, "read-only.png")
     no_page_errors(page)
+
+
+def test_the_tenants_panel_shows_the_last_minutes_and_the_waiting_room(gw_readonly: Serve, page: Any) -> None:
+    expect = sync_api.expect
+    limits = {"max_concurrent": None, "requests_per_minute": 600, "tokens_per_minute": None}
+    tenants = [
+        {
+            "name": "flood",
+            "priority": 0,
+            "weight": 1.0,
+            "in_flight": 12,
+            "shed": 40,
+            "limited": 7,
+            "recent": {"window_s": 300.0, "shed": 3, "limited": 0},
+            "limits": limits,
+            "pools": {"std": {"in_flight": 12, "share": 5.33, "bound": 16}},
+            "waiting": {"std": 4},
+        },
+        {
+            "name": "steady",
+            "priority": 0,
+            "weight": 2.0,
+            "in_flight": 2,
+            "shed": 0,
+            "limited": 0,
+            "recent": {"window_s": 300.0, "shed": 0, "limited": 0},
+            "limits": None,
+            "pools": {"std": {"in_flight": 2, "share": 10.67, "bound": 16}},
+            "waiting": {},
+        },
+    ]
+
+    def with_tenants(route: Any) -> None:  # this gateway's state as one with a tenants file would report it
+        route.fulfill(json={**route.fetch().json(), "tenants": tenants})
+
+    page.route("**/admin/state", with_tenants)
+    page.goto(gw_readonly.ui)
+    flood = page.locator('#tenants tr[data-tenant="flood"]')
+    expect(flood).to_contain_text("std: 12 of share 5.3 (bound 16)")
+    expect(flood).to_contain_text("above share")
+    expect(flood).to_contain_text("4 waiting")
+    expect(page.locator("#tenants th", has_text="shed (5 min)")).to_be_visible()
+    cells = flood.locator("td")
+    expect(cells.nth(4)).to_have_text("3")  # shed in the last 5 minutes, not the 40 since start
+    expect(cells.nth(4)).to_have_attribute("title", "40 since start (this process)")
+    expect(cells.nth(5)).to_have_text("0")
+    steady = page.locator('#tenants tr[data-tenant="steady"]')
+    expect(steady).not_to_contain_text("waiting")
+    shot(page, "tenants.png")
+    no_page_errors(page)

@@ -35,9 +35,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temper
 RESET = re.compile(r"^(\d+ms|[\d.]+s|\d+m[\d.]+s)$")
 
 
-def tenants_file(tmp_path: Path, *tenants: dict[str, Any]) -> Path:
+def tenants_file(tmp_path: Path, *tenants: dict[str, Any], waiting: dict[str, Any] | None = None) -> Path:
     path = tmp_path / "tenants.yaml"
-    path.write_text(yaml.safe_dump({"tenants": list(tenants)}))
+    spec: dict[str, Any] = {"tenants": list(tenants)}
+    if waiting is not None:
+        spec["waiting"] = waiting
+    path.write_text(yaml.safe_dump(spec))
     return path
 
 
@@ -162,6 +165,7 @@ def test_a_full_pool_sheds_the_tenant_above_its_share(fake: Fake, gateway: Gatew
         tmp_path,
         {"name": "flood", "keys": ["sk-flood-00001"]},
         {"name": "steady", "keys": ["sk-steady-0001"]},
+        waiting={"wait_s": 0.5},  # the flood's third request waits half a second for a slot, then is shed
     )
     # Bound: 1 endpoint x (max_num_seqs 2 + 0 waiting) = 2 requests in flight.
     rules = one_pool_rules(std.url, max_num_seqs=2, admission={"max_waiting_per_endpoint": 0}, max_connections=8)
@@ -196,6 +200,9 @@ def test_a_full_pool_sheds_the_tenant_above_its_share(fake: Fake, gateway: Gatew
     assert metric(gw, "specgate_tenant_in_flight_requests", tenant="flood") == 0
     shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}
     assert (shown["flood"]["shed"], shown["steady"]["shed"], shown["flood"]["in_flight"]) == (1, 0, 0)
+    # the console's "in the last minutes" counts
+    assert shown["flood"]["recent"] == {"window_s": 300.0, "shed": 1, "limited": 0}
+    assert shown["steady"]["recent"]["shed"] == 0
 
 
 def test_priority_reaches_a_pool_that_schedules_by_it(fake: Fake, gateway: Gateway, tmp_path: Path) -> None:
@@ -251,3 +258,21 @@ def test_with_redis_unreachable_each_process_still_limits_alone() -> None:
 
     asyncio.run(run())
     assert tenant.in_flight == 0
+
+
+def test_a_changed_tenants_file_is_in_force_without_a_restart(fake: Fake, gateway: Gateway, tmp_path: Path) -> None:
+    std = fake("std")
+    path = tenants_file(tmp_path, {"name": "team-a", "keys": ["sk-team-a-0001"]})
+    gw = gateway(one_pool_rules(std.url), tenants_file=path, metrics_token=METRICS_TOKEN)
+    assert post(gw, "sk-team-a-0001").status_code == 200
+    assert post(gw, "sk-team-b-0001").status_code == 401
+    tenants_file(  # rewritten in place: the watcher sees it within about a second
+        tmp_path,
+        {"name": "team-a", "keys": ["sk-team-a-0001"], "limits": {"requests_per_minute": 1}},
+        {"name": "team-b", "keys": ["sk-team-b-0001"], "priority": -1},
+    )
+    assert wait_for(lambda: post(gw, "sk-team-b-0001").status_code == 200)
+    codes = [post(gw, "sk-team-a-0001").status_code for _ in range(2)]
+    assert codes == [200, 429]  # its new limit: a burst of one
+    shown = {t["name"]: t for t in state_dict(gw.app.runtime)["tenants"]}
+    assert (shown["team-b"]["priority"], shown["team-a"]["limits"]["requests_per_minute"]) == (-1, 1)

@@ -136,16 +136,33 @@ def test_a_better_priority_gets_in_over_a_worse_one() -> None:
 
 def test_below_the_bound_a_tenant_above_its_share_leaves_a_slot_to_each_other_tenant() -> None:
     # Bound 16; steady holds 3 (under its share of 8), flood 12: flood may not take the 16th slot, nor the 15th.
-    assert not hold_back("flood", {"flood": 11, "steady": 3}, W, bound=16, in_flight=14)
-    assert hold_back("flood", {"flood": 12, "steady": 3}, W, bound=16, in_flight=15)
-    assert not hold_back("steady", {"flood": 12, "steady": 3}, W, bound=16, in_flight=15)  # within its share
-    assert not hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15)  # nobody else is there
+    one_band = {"flood": W["flood"], "steady": W["steady"]}
+    assert not hold_back("flood", {"flood": 11, "steady": 3}, one_band, bound=16, in_flight=14)
+    assert hold_back("flood", {"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15)
+    assert not hold_back("steady", {"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15)  # within its share
+    assert not hold_back("flood", {"flood": 15}, one_band, bound=16, in_flight=15)  # nobody else is there
     # A better band keeps a slot too (flood's share: half of what gold leaves); a worse one does not get one.
     assert hold_back("flood", {"flood": 10, "steady": 3, "gold": 2}, W, bound=16, in_flight=15)
     assert not hold_back("flood", {"flood": 8, "steady": 3, "gold": 2}, W, bound=16, in_flight=13)
     assert not hold_back("gold", {"gold": 13, "flood": 2}, W, bound=16, in_flight=15)
-    # Within its share a tenant is never held back, not even for a better band's slot.
-    assert not hold_back("steady", {"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7)
+    # Within its share a tenant is not held back for a better band's slots, but for the last one (the fast lane)
+    assert not hold_back("steady", {"flood": 4, "steady": 1, "gold": 1}, W, bound=8, in_flight=6)
+    assert hold_back("steady", {"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7)
+
+
+def test_a_better_priority_configured_but_idle_keeps_one_fast_lane() -> None:
+    # gold (priority -1) holds nothing in the pool: flood, even alone (all the pool is its share), leaves the last
+    # slot for gold's next request (vLLM would not preempt for it at a full batch); with steady, one more for it.
+    assert hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15)
+    assert not hold_back("flood", {"flood": 14}, W, bound=16, in_flight=14)
+    assert hold_back("flood", {"flood": 11, "steady": 3}, W, bound=16, in_flight=14)
+    assert not hold_back("flood", {"flood": 10, "steady": 3}, W, bound=16, in_flight=13)
+    # Only one lane however many better tenants are idle, none for the best band, none within one's share.
+    many = {**W, "gold2": TenantWeight(1.0, -1), "platinum": TenantWeight(1.0, -2)}
+    assert not hold_back("flood", {"flood": 14}, many, bound=16, in_flight=14)
+    assert not hold_back("gold", {"gold": 15}, W, bound=16, in_flight=15)
+    assert not hold_back("steady", {"steady": 6, "flood": 8}, W, bound=16, in_flight=14)
+    assert not hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15, best=0)  # told no better band exists
 
 
 def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
@@ -153,7 +170,10 @@ def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
     # has a free slot: it is admitted, not held back for the others' slots.
     weights = {**W, "steady": TenantWeight(2.0, 0)}
     counts = {"flood": 4, "steady": 8, "gold": 3}
-    assert not hold_back("steady", counts, weights, bound=16, in_flight=15)
+    assert not hold_back("steady", counts, weights, bound=16, in_flight=14)
+    # The 16th slot is gold's fast lane: nobody is above its share, so steady waits for another slot.
+    assert hold_back("steady", counts, weights, bound=16, in_flight=15)
+    assert not admit_at_bound("steady", counts, weights, bound=16, in_flight=15)
     assert admit_at_bound("steady", {"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16)
 
 

@@ -236,7 +236,14 @@ export function renderClasses(state, ctx) {
   labelled(table);
 }
 
-// Tenants (a tenants file only): in flight against the fair share of each pool they use, shed and limited since start.
+// Tenants (a tenants file only): in flight against the fair share of each pool they use, shed and limited in the
+// last minutes (the totals since start in the cell's title).
+function recentCell(t, kind) {
+  const recent = t.recent ? t.recent[kind] : t[kind];
+  const title = `${t[kind]} since start (this process)`;
+  return h("td", { title }, recent ? badge(String(recent), "warn") : "0");
+}
+
 function tenantRow(t) {
   const lim = t.limits || {};
   const limits = [
@@ -247,7 +254,8 @@ function tenantRow(t) {
   const pools = Object.entries(t.pools || {}).map(([pool, p]) => {
     const over = p.share !== null && p.in_flight > p.share;
     const share = p.share === null ? "–" : num(p.share, 1);
-    return h("div", {}, `${pool}: ${p.in_flight} of share ${share} (bound ${p.bound === null ? "–" : p.bound}) `, over ? badge("above share", "warn") : null);
+    const queued = (t.waiting || {})[pool];
+    return h("div", {}, `${pool}: ${p.in_flight} of share ${share} (bound ${p.bound === null ? "–" : p.bound}) `, over ? badge("above share", "warn") : null, queued ? badge(`${queued} waiting`, "warn") : null);
   });
   return h(
     "tr",
@@ -257,8 +265,8 @@ function tenantRow(t) {
     h("td", {}, num(t.weight, 2)),
     h("td", {}, String(t.in_flight)),
     h("td", {}, pools.length ? pools : "–"),
-    h("td", {}, t.shed ? badge(String(t.shed), "warn") : "0"),
-    h("td", {}, t.limited ? badge(String(t.limited), "warn") : "0"),
+    recentCell(t, "shed"),
+    recentCell(t, "limited"),
     h("td", {}, limits.length ? limits.join(", ") : "none"),
   );
 }
@@ -268,11 +276,10 @@ export function renderTenants(state) {
   if (!section) return;
   section.hidden = !state.tenants;
   if (!state.tenants) return;
-  const head = h(
-    "thead",
-    {},
-    h("tr", {}, ["tenant", "priority", "weight", "in flight", "pools (in flight vs share)", "shed", "limited", "limits"].map((t) => h("th", { scope: "col" }, t))),
-  );
+  const first = state.tenants.find((t) => t.recent);
+  const minutes = first ? `${num(first.recent.window_s / 60, 0)} min` : "since start";
+  const cols = ["tenant", "priority", "weight", "in flight", "pools (in flight vs share)", `shed (${minutes})`, `limited (${minutes})`, "limits"];
+  const head = h("thead", {}, h("tr", {}, cols.map((t) => h("th", { scope: "col" }, t))));
   const table = document.getElementById("tenants");
   swap(table, head, h("tbody", {}, state.tenants.map(tenantRow)));
   labelled(table);
