@@ -279,8 +279,8 @@ def test_observe_reads_keys_never_text() -> None:
     )
     trace.observe(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}')
     trace.observe(b'data: {"usage":{"prompt_tokens":12,"completion_tokens":34,"total_tokens":46}}')
-    assert trace._finish_reasons == ["stop"]
-    assert trace._usage == {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 34}
+    assert trace.finish_reasons == ["stop"]
+    assert trace.usage == {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 34}
 
 
 def test_tracing_setting_from_env(tmp_path: Path) -> None:
