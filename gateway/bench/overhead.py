@@ -232,16 +232,18 @@ def _cpu_s(pid: int) -> float | None:
 def _interleaved(
     tool: str, urls: dict[str, str], work: Workload, connections: int, duration_s: int, pids: dict[str, int]
 ) -> tuple[dict[str, WrkResult], dict[str, float]]:
-    """``urls``' targets measured in turn, one second each, ``duration_s`` rounds: a machine whose load drifts
-    (other work on the same cores) shifts them all alike, which one target after the other does not. Returns each
+    """``urls``' targets measured in turn, one second each, ``duration_s`` rounds (each starting with another
+    target, so none is always the one measured first): a machine whose load drifts (other work on the same cores)
+    shifts them all alike, which one target after the other does not. Returns each
     target's result (mean req/s, median p50 and p99) and CPU microseconds per request of its process."""
     samples: dict[str, list[WrkResult]] = {t: [] for t in urls}
     cpu: dict[str, float] = dict.fromkeys(urls, 0.0)
     done: dict[str, float] = dict.fromkeys(urls, 0.0)
     for url in urls.values():
         run_tool(tool, url, work, connections, 1)  # warm
-    for _ in range(duration_s):
-        for target, url in urls.items():
+    order = list(urls.items())
+    for i in range(duration_s):
+        for target, url in order[i % len(order) :] + order[: i % len(order)]:  # each round starts with the next
             before = _cpu_s(pids[target])
             r = run_tool(tool, url, work, connections, 1)
             after = _cpu_s(pids[target])
