@@ -1,9 +1,11 @@
 """What the gateway tells operators about itself.
 
-- ``metrics``: the ``specgate_*`` Prometheus metrics (own registry; multiprocess-aware with ``--workers``).
+- ``metrics``: the ``specgate_*`` Prometheus metrics (own registry); ``metrics_workers``: their merge across
+  ``--workers``; ``latency_window``: recent latencies for the latency guard's quantiles.
 - ``tenant_metrics``: the per-tenant metrics (a tenants file only).
 - ``logs``: one JSON line per request and per event.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
-- ``tracing``: OpenTelemetry spans of each proxied request (``--tracing``), written as OTLP protobuf by
-  ``otlp_wire`` and exported by ``trace_export``.
+- ``tracing``: OpenTelemetry traces of the proxied requests (``--tracing``): what each request records
+  (``tracing``), its spans written as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exported by
+  ``trace_export``.
 """

@@ -3,32 +3,23 @@
 Label values are bounded: class and pool names come from the routing YAML, outcomes from ``Outcome``;
 a request that never reached a class or a pool is labelled ``none``.
 
-With ``--workers N`` every worker is its own process with its own values, so ``/metrics`` (answered by whichever
-worker accepts the connection) must not render just that worker's registry. ``specgate serve`` then points
-``PROMETHEUS_MULTIPROC_DIR`` at a private directory before the workers start; prometheus_client, imported by each
-fresh worker with that variable set, keeps every value in a per-process file there, and each worker's
-``/metrics`` renders the merge of all the files (``MultiProcessCollector``), so every worker answers the same
-totals. Counters and histograms are summed, dead workers included (totals never go down while the gateway runs);
-the gauges say how to merge them (``multiprocess_mode``) and forget workers that are gone: a worker that exits
-normally removes its gauge files in its lifespan shutdown (``worker_exited``), and every scrape removes those of
-workers that died without one (killed, crashed). Single-process mode renders its own registry, as always.
+With ``--workers N``, ``/metrics`` renders the merge of every worker's values (``metrics_workers``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import re
 import time
-from collections import deque
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.observability.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
+from gateway.observability.latency_window import LatencyWindow
+from gateway.observability.metrics_workers import forget_dead_processes, forget_process
+from gateway.observability.metrics_workers import multiprocess_dir as multiprocess_dir  # the app's import
 
 Outcome = Literal[
     "ok",  # 2xx, stream completed with [DONE]
@@ -47,26 +38,6 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OPENMETRICS = "application/openmetrics-text"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-
-
-class LatencyWindow:
-    """The last ``size`` latencies with their (monotonic) times; quantiles over a time window, exact (not bucketed:
-    the latency guard compares with a baseline within a few per cent, finer than the histogram's buckets)."""
-
-    __slots__ = ("_samples",)
-
-    def __init__(self, size: int = 2048) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=size)
-
-    def add(self, at: float, seconds: float) -> None:
-        self._samples.append((at, seconds))
-
-    def quantile(self, q: float, since: float) -> float | None:
-        """The ``q`` quantile (nearest rank) of the samples taken at or after ``since``; None without one."""
-        values = sorted(v for t, v in self._samples if t >= since)
-        if not values:
-            return None
-        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 class GatewayMetrics:
@@ -355,7 +326,7 @@ class GatewayMetrics:
     def worker_exited(self) -> None:
         """Lifespan shutdown of a worker: its gauges stop counting (its counters and histograms stay)."""
         if self.shared_dir is not None:
-            _forget_process(os.getpid(), self.shared_dir)
+            forget_process(os.getpid(), self.shared_dir)
 
     def pool_in_flight(self, pool: str) -> Any:
         """The ``in_flight`` child of ``pool``, looked up once (the attempt loop moves it twice per request)."""
@@ -467,45 +438,3 @@ class GatewayMetrics:
         merged = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(merged, path=self.shared_dir)  # type: ignore[no-untyped-call]
         return generate_latest(merged)
-
-
-def multiprocess_dir() -> str | None:
-    """``PROMETHEUS_MULTIPROC_DIR`` when this process's metric values are kept there, else None.
-
-    prometheus_client chooses where values live once, when it is imported: a variable set later (or a process
-    that imported it before) still keeps them in memory, where no other worker can see them.
-    """
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not path or values.ValueClass is values.MutexValue or not os.path.isdir(path):
-        return None
-    return path
-
-
-_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
-
-
-def forget_dead_processes(path: str) -> None:
-    """Remove the live-gauge files of processes that no longer exist (a worker killed without a shutdown)."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    pids = {int(m.group(1)) for m in map(_LIVE_GAUGE_FILE.fullmatch, names) if m is not None}
-    for pid in pids:
-        if pid > 0 and not _process_exists(pid):
-            _forget_process(pid, path)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, and belongs to someone else
-        return True
-    return True
-
-
-def _forget_process(pid: int, path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):  # another worker's scrape got there first
-        mark_process_dead(pid, path)  # type: ignore[no-untyped-call]

@@ -11,14 +11,15 @@ meaning (``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_o
 low 64 bits, as the SDK's ``TraceIdRatioBased`` does, so every service sampling by ratio agrees).
 
 The tail decision. A request records plain timestamps and values while it runs (``RequestTrace``), and its spans
-are encoded only when it ends: for a sampled request, or for one the head sampler dropped but that failed or fell
+are written only after it ends: for a sampled request, or for one the head sampler dropped but that failed or fell
 back. Any other request builds no span at all; its ``traceparent`` to the pools says ``-00`` (not sampled), so the
 gateway's spans of a trace kept by the tail decision have no vLLM span below them.
 
-Export. ``Exporter`` queues the encoded spans and a thread sends them in batches (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
-spans, or whatever is queued every ``OTEL_BSP_SCHEDULE_DELAY`` ms) as OTLP/gRPC ``TraceService/Export`` to
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``; past ``OTEL_BSP_MAX_QUEUE_SIZE`` queued
-spans a request's spans are dropped (counted, logged). The thread wakes only for a full batch or the schedule.
+Export. ``Exporter`` queues the finished traces; a thread writes their spans (``trace_spans``) and sends them
+in batches (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` spans, or whatever is queued every ``OTEL_BSP_SCHEDULE_DELAY`` ms)
+as OTLP/gRPC ``TraceService/Export`` to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``;
+past ``OTEL_BSP_MAX_QUEUE_SIZE`` queued spans a request's trace is dropped (counted, logged). The thread wakes only
+for a full batch or the schedule, and gives the GIL back every few traces it writes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from gateway.observability import otlp_wire
@@ -47,6 +49,7 @@ _SAMPLERS = (
 )
 _RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED"})
 _LOG_EVERY_S = 60.0  # at most one warning a minute about failed or dropped exports
+_PACE = 16  # traces written between two chances for the event loop to take the GIL
 
 
 class TracingConfigError(ValueError):
@@ -203,45 +206,54 @@ def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[]
 
 
 class Exporter:
-    """The queue of encoded spans and the thread that sends them (module docstring). ``send`` replaces gRPC
-    (tests). ``submit`` is called from the event loop; it never blocks on the network."""
+    """The queue of finished traces and the thread that writes their spans and sends them (module docstring).
+    ``encode`` writes one queued item's spans (``trace_spans.encode``); ``send`` replaces gRPC (tests). ``submit``
+    is called from the event loop; it never blocks on the network and does no encoding."""
 
-    def __init__(self, cfg: ExportConfig, send: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ExportConfig,
+        send: Callable[[bytes], None] | None = None,
+        encode: Callable[[Any], list[bytes]] = list,
+    ) -> None:
         self.cfg = cfg
         self._close: Callable[[], None] = lambda: None
         if send is None:
             send, self._close = grpc_sender(cfg)
         self._send = send
+        self._encode = encode
         self._fixed = otlp_wire.resource_fields(cfg.resource, "specgate", "1")
-        self._queue: deque[list[bytes]] = deque()
+        self._queue: deque[tuple[Any, int]] = deque()
         self._queued = 0  # spans in the queue
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
-        self.dropped = 0  # spans dropped: the queue was full, or an export failed
+        self.dropped = 0  # spans dropped: the queue was full, an export failed, or a trace could not be written
         self.exported = 0
         self._last_warning = 0.0
         self._thread = threading.Thread(target=self._run, name="specgate-trace-export", daemon=True)
         self._thread.start()
 
-    def submit(self, spans: list[bytes]) -> None:
-        """One request's encoded spans (``otlp_wire.span``)."""
-        n = len(spans)
+    def submit(self, item: Any, spans: int) -> None:
+        """One request's finished trace, which ``encode`` turns into ``spans`` spans."""
         with self._cond:
-            if self._queued + n > self.cfg.queue_spans or self._stopping:
-                self.dropped += n
+            if self._queued + spans > self.cfg.queue_spans or self._stopping:
+                self.dropped += spans
                 return
-            self._queue.append(spans)
-            self._queued += n
-            if self._queued >= self.cfg.batch_spans and self._queued - n < self.cfg.batch_spans:
+            self._queue.append((item, spans))
+            self._queued += spans
+            if self._queued >= self.cfg.batch_spans and self._queued - spans < self.cfg.batch_spans:
                 self._cond.notify()
 
-    def _take(self) -> list[bytes]:
-        """Up to one batch of spans off the queue (whole requests), the lock held."""
-        out: list[bytes] = []
+    def _take(self) -> list[tuple[Any, int]]:
+        """Up to one batch of traces off the queue, the lock held."""
+        out: list[tuple[Any, int]] = []
+        n = 0
         queue = self._queue
-        while queue and (not out or len(out) + len(queue[0]) <= self.cfg.batch_spans):
-            out += queue.popleft()
-        self._queued -= len(out)
+        while queue and (not out or n + queue[0][1] <= self.cfg.batch_spans):
+            item = queue.popleft()
+            out.append(item)
+            n += item[1]
+        self._queued -= n
         return out
 
     def _run(self) -> None:
@@ -253,16 +265,31 @@ class Exporter:
                 batch = self._take()
                 stopping = self._stopping and not self._queue
             if batch:
-                self._export(batch)
+                self._export(batch, pace=True)
             if stopping:
                 return
 
-    def _export(self, batch: list[bytes]) -> None:
+    def _export(self, batch: list[tuple[Any, int]], pace: bool = False) -> None:
+        """Write the batch's spans and send them. ``pace``: give the GIL back every few traces, so the event loop
+        waits at most a few hundred microseconds for it (not the interpreter's switch interval)."""
+        spans: list[bytes] = []
+        failed = 0
+        for i, (item, n) in enumerate(batch):
+            try:
+                spans += self._encode(item)
+            except Exception:  # a bug in writing one trace: that trace is lost, not the batch
+                log.exception("a trace could not be written")
+                failed += n
+            if pace and i % _PACE == _PACE - 1:
+                time.sleep(0)
+        self.dropped += failed
+        if not spans:
+            return
         try:
-            self._send(otlp_wire.request(self._fixed, batch))
-            self.exported += len(batch)
+            self._send(otlp_wire.request(self._fixed, spans))
+            self.exported += len(spans)
         except Exception as exc:  # a collector away or refusing: the batch is lost, the gateway goes on
-            self.dropped += len(batch)
+            self.dropped += len(spans)
             now = time.monotonic()
             if now - self._last_warning >= _LOG_EVERY_S:
                 self._last_warning = now

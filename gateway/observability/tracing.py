@@ -1,8 +1,8 @@
 """OpenTelemetry traces of the proxied requests (``specgate serve --tracing``; the ``tracing`` extra).
 
 Off by default, and then nothing of this runs: the request path checks one ``None`` (``RequestRecord.trace``) and
-neither this module's exporter nor gRPC is imported. On, ``Tracing`` (one per process, built by the runtime)
-starts a ``RequestTrace`` per proxied request, which the request path calls at a few points; the trace it becomes::
+neither the exporter nor gRPC is imported. On, ``Tracing`` (one per process, built by the runtime) starts a
+``RequestTrace`` per proxied request, which the request path calls at a few points; the trace it becomes::
 
     POST /v1/chat/completions   SERVER    the client's traceparent/tracestate continued, or a new trace
     ├── specgate.admission      INTERNAL  arrival → the first attempt: body read, decision, Idempotency-Key,
@@ -14,16 +14,15 @@ starts a ``RequestTrace`` per proxied request, which the request path calls at a
     └── chat <model>            CLIENT    the next attempt after a failure before the commit point
 
 How it stays cheap: while the request runs, ``RequestTrace`` keeps timestamps and references in its slots (the ids
-are drawn at once, so a pool's ``traceparent`` names the attempt span written later); at the end its spans are
-encoded straight to OTLP protobuf (``otlp_wire``) only when exported (head sample or tail decision,
-``trace_export``), and a thread sends them in batches. Any other request builds no span at all.
+are drawn at once, so a pool's ``traceparent`` names the attempt span written later). When the request ends and
+its trace is exported (head sample or tail decision, ``trace_export``), the trace itself is queued; the export
+thread writes its spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) in batches, off the event loop. Any other
+request builds nothing: an unsampled one does not even read its answer for finish reasons and usage unless the
+tail decision keeps it (then the last two pieces of the answer are read).
 
-Attributes follow the OpenTelemetry GenAI conventions where they name the fact (``gen_ai.operation.name``,
-``gen_ai.request.model``/``temperature``/``max_tokens``, ``gen_ai.response.finish_reasons``,
-``gen_ai.usage.input_tokens``/``output_tokens``, ``server.address``, ``error.type``) and ``specgate.*`` where they
-do not (acceptance, the commit point, idempotency replay, fallback). No prompt or completion text is ever put in a
-span: finish reasons and token counts are read from the pool's answer by a pattern that only matches the JSON
-keys, and error messages (which may quote a pool's answer) stay in the access log; spans carry ``error.type``.
+No prompt or completion text is ever put in a span: finish reasons and token counts are read from the pool's answer
+by a pattern that only matches the JSON keys, and error messages (which may quote a pool's answer) stay in the
+access log; spans carry ``error.type``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from gateway.observability import otlp_wire as wire
 
@@ -67,8 +65,6 @@ _USAGE_WINDOW = 512  # bytes after the "usage" key that hold its token counts
 _TRACEPARENT = re.compile(r"^\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*$")
 _TRACESTATE = re.compile(r"^[\x20-\x7e]{1,512}$")  # bounded and printable; passed on as it came
 _MAX_ATTEMPTS_KEPT = 64
-_CONTROLLER_KEYS = ("specgate.controller.state", "specgate.controller.share", "specgate.controller.pick",
-                    "specgate.controller.why")  # fmt: skip
 
 
 class TracingUnavailable(RuntimeError):
@@ -90,34 +86,40 @@ class Tracing:
             raise TracingUnavailable(f"tracing needs gRPC: pip install 'specgate[tracing]' ({exc})") from exc
         environ = os.environ if env is None else env
         self.sampler: HeadSampler = trace_export.head_sampler(environ)
-        self.exporter: Exporter = trace_export.Exporter(trace_export.ExportConfig.from_env(environ), send)
-        self.encoder = wire.Encoder()
+        from gateway.observability.trace_spans import encode
+
+        self.exporter: Exporter = trace_export.Exporter(trace_export.ExportConfig.from_env(environ), send, encode)
+        self.encoder = wire.Encoder()  # used by the export thread only (``trace_spans``)
         self.random = random.Random()
+        self._bound = self.sampler.bound
+        self._follow_parent = self.sampler.parent_based
 
     def start(
         self, method: str, path: str, request_id: str, traceparent: str | None, tracestate: str | None
     ) -> RequestTrace:
         """The trace of a request that arrived now, continuing the client's trace when it sent a valid one."""
+        if traceparent is None:  # the common case: a new trace, sampled by its id
+            trace_id = self.random.getrandbits(128) or 1
+            sampled = (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < self._bound
+            return RequestTrace(self, method, path, request_id, trace_id, None, "", sampled)
         parent_id: bytes | None = None
         parent_sampled: bool | None = None
         state = ""
         trace_id = 0
-        if traceparent is not None:
-            m = _TRACEPARENT.match(traceparent)
-            if m is not None and m.group(1) != "ff" and not (m.group(1) == "00" and m.group(5)):
-                tid, sid = int(m.group(2), 16), int(m.group(3), 16)
-                if tid and sid:
-                    trace_id, parent_id = tid, sid.to_bytes(8, "big")
-                    parent_sampled = bool(int(m.group(4), 16) & 1)
-                    if tracestate is not None and _TRACESTATE.match(tracestate):
-                        state = tracestate.strip()
+        m = _TRACEPARENT.match(traceparent)
+        if m is not None and m.group(1) != "ff" and not (m.group(1) == "00" and m.group(5)):
+            tid, sid = int(m.group(2), 16), int(m.group(3), 16)
+            if tid and sid:
+                trace_id, parent_id = tid, sid.to_bytes(8, "big")
+                parent_sampled = bool(int(m.group(4), 16) & 1)
+                if tracestate is not None and _TRACESTATE.match(tracestate):
+                    state = tracestate.strip()
         if not trace_id:
             trace_id = self.random.getrandbits(128) or 1
-        h = self.sampler
-        if h.parent_based and parent_sampled is not None:
+        if self._follow_parent and parent_sampled is not None:
             sampled = parent_sampled
         else:
-            sampled = (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < h.bound
+            sampled = (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < self._bound
         return RequestTrace(self, method, path, request_id, trace_id, parent_id, state, sampled)
 
     def span_id(self) -> int:
@@ -135,21 +137,8 @@ class Tracing:
 class Attempt:
     """One upstream attempt, recorded; its CLIENT span is written when the request ends."""
 
-    __slots__ = (
-        "committed",
-        "end_ns",
-        "endpoint",
-        "error_type",
-        "kind",
-        "model",
-        "number",
-        "pool",
-        "span_id",
-        "start_ns",
-        "status",
-        "ttft_s",
-        "url",
-    )
+    __slots__ = ("committed", "end_ns", "endpoint", "error_type", "kind", "model", "number", "pool", "span_id",
+                 "start_ns", "status", "ttft_s", "url")  # fmt: skip
 
     def __init__(
         self, span_id: int, number: int, pool: str, kind: str, endpoint: str, url: str, model: str | None
@@ -165,79 +154,60 @@ class Attempt:
         self.committed = False
 
 
+class Ending:
+    """How the request ended (``RequestTrace.finish``): the server span's facts from the end of the request."""
+
+    __slots__ = ("accepted", "attempts", "commit_s", "drafted", "end_ns", "endpoint", "failed", "fallback",
+                 "finish_reasons", "idempotency", "outcome", "pool", "status", "usage")  # fmt: skip
+
+    def __init__(self, end_ns: int, status: int, outcome: str, pool: str, endpoint: str | None, attempts: int,
+                 failed: bool, fallback: bool) -> None:  # fmt: skip
+        self.end_ns, self.status, self.outcome, self.pool, self.endpoint = end_ns, status, outcome, pool, endpoint
+        self.attempts, self.failed, self.fallback = attempts, failed, fallback
+        self.commit_s: float | None = None
+        self.accepted: int | None = None
+        self.drafted: int | None = None
+        self.idempotency: str | None = None
+        self.finish_reasons: tuple[str, ...] = ()
+        self.usage: dict[str, int] | None = None
+
+
 class RequestTrace:
-    """What one request's spans will say (module docstring). Not thread-safe: one request's task calls it."""
+    """What one request's spans will say (module docstring). Not thread-safe: one request's task calls it, until
+    ``finish`` hands it to the export thread (which only reads it)."""
 
-    __slots__ = (
-        "_admission",
-        "_attempts",
-        "_finish_reasons",
-        "_open",
-        "_params",
-        "_parent_id",
-        "_planned",
-        "_route",
-        "_server_id",
-        "_start_ns",
-        "_state",
-        "_t",
-        "_trace_id",
-        "_usage",
-        "method",
-        "operation",
-        "path",
-        "request_id",
-        "sampled",
-        "trace_id",
-        "traffic_class",
-    )
+    __slots__ = ("admission", "answered", "attempts", "ending", "expected", "finish_reasons", "method",
+                 "operation", "params", "parent_id", "path", "planned", "request_id", "route_facts", "sampled",
+                 "start_ns", "state", "tail", "tid", "trace", "trace_id", "traffic_class", "usage")  # fmt: skip
 
-    def __init__(
-        self,
-        t: Tracing,
-        method: str,
-        path: str,
-        request_id: str,
-        trace_id: int,
-        parent_id: bytes | None,
-        state: str,
-        sampled: bool,
-    ) -> None:
-        self._t = t
-        self._start_ns = time.time_ns()
+    def __init__(self, t: Tracing, method: str, path: str, request_id: str, trace_id: int, parent_id: bytes | None,
+                 state: str, sampled: bool) -> None:  # fmt: skip
+        self.trace = t
+        self.start_ns = time.time_ns()
         self.method, self.path, self.request_id = method, path, request_id
         self.operation = OPERATIONS.get(path, "chat")
-        self._trace_id = trace_id
+        self.tid = trace_id
         self.trace_id = f"{trace_id:032x}"
-        self._parent_id = parent_id
-        self._state = state
+        self.parent_id = parent_id
+        self.state = state
         self.sampled = sampled
-        self._admission: tuple[int, Sequence[str], str | None] | None = None
-        self._route: tuple[Any, ...] | None = None
-        self._attempts: list[Attempt] = []
-        self._open: Attempt | None = None  # the attempt that answered (ended with the request)
-        self._planned: str | None = None
-        self._finish_reasons: list[str] | None = None
-        self._usage: dict[str, int] | None = None
-        self._params: tuple[Any, Any, Any, bool] | None = None
+        self.admission: tuple[int, Sequence[str], str | None] | None = None
+        self.route_facts: tuple[Any, ...] | None = None
+        self.expected: Sequence[tuple[str, float]] | Callable[[str], Sequence[tuple[str, float]]] = ()
+        self.attempts: list[Attempt] = []
+        self.answered: Attempt | None = None  # the attempt that answered (ended with the request)
+        self.planned: str | None = None
+        self.finish_reasons: list[str] | None = None
+        self.usage: dict[str, int] | None = None
+        self.tail: tuple[bytes, bytes] = (b"", b"")  # unsampled: the last two pieces of the answer, read if kept
+        self.params: tuple[Any, Any, Any, bool] | None = None
         self.traffic_class: str | None = None
+        self.ending: Ending | None = None
 
     def request(self, model: Any, temperature: Any, max_tokens: Any, stream: bool) -> None:
         """The client's sampling parameters that the conventions name (never its messages); checked when the
-        spans are written (``_server_items``)."""
-        self._params = (model, temperature, max_tokens, stream)
-
-    def _request_params(self) -> tuple[str | None, float | None, int | None, bool | None]:
-        """(model, temperature, max_tokens, stream) as the client sent them, when of the right type."""
-        if self._params is None:
-            return None, None, None, None
-        model, temperature, max_tokens, stream = self._params
-        return (
-            model[:256] if isinstance(model, str) else None,
-            float(temperature) if isinstance(temperature, int | float) and not isinstance(temperature, bool) else None,
-            max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else None,
-            stream,
-        )
+        spans are written."""
+        self.params = (model, temperature, max_tokens, stream)
 
     def route(
         self,
@@ -252,17 +222,16 @@ class RequestTrace:
     ) -> None:
         """The routing decision, timed from ``start_ns`` to now. ``choice``: the class controller's answer
         (``RouteChoice``) or None; ``expected``: (pool, expected completion seconds) of the last scrape round, or
-        what gives them for the class (asked now only when the spans will be written: the head sample said so)."""
-        if callable(expected):
-            expected = expected(traffic_class) if self.sampled else expected
-        self._route = (start_ns, time.time_ns(), task_type, plan, reason, choice, expected)
-        self._planned = plan[0] if plan else None
+        what gives them for the class (asked now only when the head sample keeps the trace, else at its end)."""
+        self.expected = expected(traffic_class) if self.sampled and callable(expected) else expected
+        self.route_facts = (start_ns, time.time_ns(), task_type, plan, reason, choice)
+        self.planned = plan[0] if plan else None
         self.traffic_class = traffic_class
 
     def admitted(self, full: Sequence[str] = (), refused: str | None = None) -> None:
         """The admission span ends now (the first attempt leaves, or the request is refused)."""
-        if self._admission is None:
-            self._admission = (time.time_ns(), tuple(full), refused)
+        if self.admission is None:
+            self.admission = (time.time_ns(), tuple(full), refused)
 
     def send_attempt(
         self,
@@ -277,15 +246,15 @@ class RequestTrace:
         """An attempt leaves now: the admission span ends at the first one, the attempt's span starts, and its
         ``traceparent`` replaces the client's in ``headers`` (to the pool), so the pool's spans join below it.
         ``model``: the one asked of this pool when not the requested one (a class's fallback model)."""
-        if self._admission is None:
-            self._admission = (time.time_ns(), tuple(full), None)
-        span_id = self._t.random.getrandbits(64) or 1
-        attempt = Attempt(span_id, len(self._attempts) + 1, pool, kind, endpoint, url, model)
-        if len(self._attempts) < _MAX_ATTEMPTS_KEPT:
-            self._attempts.append(attempt)
+        if self.admission is None:
+            self.admission = (time.time_ns(), tuple(full), None)
+        span_id = self.trace.random.getrandbits(64) or 1
+        attempt = Attempt(span_id, len(self.attempts) + 1, pool, kind, endpoint, url, model)
+        if len(self.attempts) < _MAX_ATTEMPTS_KEPT:
+            self.attempts.append(attempt)
         headers["traceparent"] = f"00-{self.trace_id}-{span_id:016x}-{'01' if self.sampled else '00'}"
-        if self._state:
-            headers["tracestate"] = self._state
+        if self.state:
+            headers["tracestate"] = self.state
         else:
             headers.pop("tracestate", None)
         return attempt
@@ -299,22 +268,30 @@ class RequestTrace:
         """The attempt the client's answer comes from: it stays open until the request ends."""
         attempt.status = status
         attempt.ttft_s = ttft_s
-        self._open = attempt
+        self.answered = attempt
 
     def observe(self, data: bytes) -> None:
-        """Finish reasons and token usage in a piece of the pool's answer (a whole body, or stream events)."""
+        """A piece of the pool's answer (a whole body, or stream events): a sampled trace reads its finish reasons
+        and token usage now; an unsampled one keeps a reference to the last two pieces (read only when the tail
+        decision keeps it: usage and the last finish reason come at the end of an answer)."""
+        if not self.sampled:
+            self.tail = (self.tail[1], data)
+            return
+        self._read(data)
+
+    def _read(self, data: bytes) -> None:
         if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
-            reasons = self._finish_reasons
+            reasons = self.finish_reasons
             if reasons is None:
-                reasons = self._finish_reasons = []
+                reasons = self.finish_reasons = []
             for m in _FINISH.finditer(data):
                 if len(reasons) < _MAX_FINISH_REASONS:
                     reasons.append(m.group(1).decode())
         at = data.rfind(b'"usage"')  # a quote inside a JSON string is escaped: only the key matches
         if at >= 0 and data.find(b"_tokens", at, at + _USAGE_WINDOW) >= 0:  # not "usage":null
-            usage = self._usage
+            usage = self.usage
             if usage is None:
-                usage = self._usage = {}
+                usage = self.usage = {}
             for m in _USAGE.finditer(data, at, at + _USAGE_WINDOW):
                 usage[_USAGE_KEY[m.group(1)]] = int(m.group(2))
 
@@ -331,177 +308,33 @@ class RequestTrace:
         drafted: int | None,
         idempotency: str | None,
     ) -> bool:
-        """The request ended (once, from ``RequestRecord.finish``): its spans are written and queued for export
-        when the head sample or the tail decision keeps them (True); otherwise nothing more happens (False)."""
+        """The request ended (once, from ``RequestRecord.finish``): when the head sample or the tail decision keeps
+        it, the trace is queued and the export thread writes its spans (True); otherwise nothing more happens."""
         end_ns = time.time_ns()
         failed = outcome in _FAILED
-        fallback = attempts > 1 or (attempts == 1 and self._planned is not None and pool != self._planned)
+        fallback = attempts > 1 or (attempts == 1 and self.planned is not None and pool != self.planned)
         if not (self.sampled or failed or fallback):
             return False
-        if self._admission is None:  # refused before any attempt (or an idempotent replay: ok)
-            self._admission = (end_ns, (), outcome if attempts == 0 and outcome != "ok" else None)
-        opened = self._open
+        if not self.sampled:  # kept by the tail decision: what the answer said, and the latest expected times
+            for piece in self.tail:
+                if piece:
+                    self._read(piece)
+            self.tail = (b"", b"")
+            if callable(self.expected):
+                self.expected = self.expected(self.traffic_class or "")
+        if self.admission is None:  # refused before any attempt (or an idempotent replay: ok)
+            self.admission = (end_ns, (), outcome if attempts == 0 and outcome != "ok" else None)
+        opened = self.answered
         if opened is not None:
             opened.end_ns = end_ns
             opened.committed = True
             if outcome != "ok":
                 opened.error_type = outcome
-        enc = self._t.encoder
-        reasons = tuple(dict.fromkeys(self._finish_reasons)) if self._finish_reasons else ()
-        key = ("end", outcome, pool, attempts, fallback, opened is not None, status, endpoint, idempotency, reasons)
-
-        def items() -> list[tuple[str, Any]]:
-            a: list[tuple[str, Any]] = [
-                ("specgate.outcome", outcome),
-                ("specgate.pool", pool),
-                ("specgate.attempts", attempts),
-                ("specgate.fallback", fallback),
-                ("specgate.committed", opened is not None),
-            ]
-            if status:
-                a.append(("http.response.status_code", status))
-            if endpoint is not None:
-                a.append(("specgate.endpoint", endpoint))
-            if idempotency is not None:
-                a.append(("specgate.idempotency", idempotency))
-            if reasons:
-                a.append(("gen_ai.response.finish_reasons", list(reasons)))
-            if outcome != "ok":
-                a.append(("error.type", outcome))
-            return a
-
-        server = [enc.block(key, items), enc.string("specgate.request_id", self.request_id)]
-        if commit_s is not None:
-            server.append(enc.number("specgate.commit_s", float(commit_s)))
-        if accepted is not None and drafted is not None:
-            server += (enc.number("specgate.spec.accepted", accepted), enc.number("specgate.spec.drafted", drafted))
-            if drafted > 0:
-                server.append(enc.number("specgate.acceptance", accepted / drafted))
-        for k, v in (self._usage or {}).items():
-            server.append(enc.number(k, v))
-        self._t.exporter.submit(self._spans(server, end_ns, failed))
+        e = self.ending = Ending(end_ns, status, outcome, pool, endpoint, attempts, failed, fallback)
+        e.commit_s, e.accepted, e.drafted, e.idempotency = commit_s, accepted, drafted, idempotency
+        if self.finish_reasons:
+            e.finish_reasons = tuple(dict.fromkeys(self.finish_reasons))
+        e.usage = self.usage
+        # server, admission, route (when decided), one per attempt: the queue counts spans
+        self.trace.exporter.submit(self, 2 + (self.route_facts is not None) + len(self.attempts))
         return True
-
-    def _spans(self, server: list[bytes], end_ns: int, failed: bool) -> list[bytes]:
-        """The request's spans, OTLP-encoded: server, admission, route, one per attempt. ``server``: the server
-        span's attributes from the end of the request."""
-        t = self._t
-        enc = t.encoder
-        tid = self._trace_id.to_bytes(16, "big")
-        sid = t.span_id().to_bytes(8, "big")
-        state = self._state.encode() if self._state else b""
-        child_flags = wire.SPAN_FLAGS_HAS_IS_REMOTE | 1
-        params = self._request_params()
-        server.append(enc.block(("server", self.method, self.path, params, self.traffic_class), self._server_items))
-        flags = 1 | wire.SPAN_FLAGS_HAS_IS_REMOTE | (wire.SPAN_FLAGS_IS_REMOTE if self._parent_id else 0)
-        name = enc.name(f"{self.method} {self.path}")
-        spans = [
-            wire.span(tid, sid, self._parent_id, name, wire.SERVER, self._start_ns, end_ns, b"".join(server),
-                      error=failed, trace_state=state, flags=flags)
-        ]  # fmt: skip
-        if self._admission is not None:
-            adm_end, full, refused = self._admission
-            attrs = b""
-            if full or refused is not None:
-
-                def admission() -> list[tuple[str, Any]]:
-                    a: list[tuple[str, Any]] = [("specgate.admission.full_pools", list(full))] if full else []
-                    return a if refused is None else [*a, ("specgate.admission.refused", refused)]
-
-                attrs = enc.block(("admission", full, refused), admission)
-            spans.append(
-                wire.span(tid, t.span_id().to_bytes(8, "big"), sid, enc.name("specgate.admission"), wire.INTERNAL,
-                          self._start_ns, adm_end, attrs, trace_state=state, flags=child_flags)
-            )  # fmt: skip
-        if self._route is not None:
-            spans.append(self._route_span(tid, sid, state, child_flags))
-        for at in self._attempts:
-            spans.append(self._attempt_span(at, tid, sid, state, child_flags, end_ns))
-        return spans
-
-    def _server_items(self) -> list[tuple[str, Any]]:
-        """The server span's attributes known before the request ends (one ``Encoder.block``)."""
-        a: list[tuple[str, Any]] = [
-            ("http.request.method", self.method),
-            ("url.path", self.path),
-            ("gen_ai.operation.name", self.operation),
-        ]
-        model, temperature, max_tokens, stream = self._request_params()
-        if model is not None:
-            a.append(("gen_ai.request.model", model))
-        if temperature is not None:
-            a.append(("gen_ai.request.temperature", temperature))
-        if max_tokens is not None:
-            a.append(("gen_ai.request.max_tokens", max_tokens))
-        if stream is not None:
-            a.append(("specgate.stream", stream))
-        if self.traffic_class is not None:
-            a.append(("specgate.class", self.traffic_class))
-        return a
-
-    def _route_span(self, tid: bytes, sid: bytes, state: bytes, flags: int) -> bytes:
-        assert self._route is not None
-        t = self._t
-        start_ns, end_ns, task_type, plan, reason, choice, expected = self._route
-        if callable(expected):  # not asked when the request arrived (not head-sampled): the latest round's
-            expected = expected(self.traffic_class or "")
-        cls = self.traffic_class or ""
-        facts = None if choice is None else (str(choice.state), float(choice.share), str(choice.pick), str(choice.why))
-
-        def items() -> list[tuple[str, Any]]:
-            a: list[tuple[str, Any]] = [
-                ("specgate.class", cls),
-                ("specgate.plan", list(plan)),
-                ("specgate.route.reason", reason),
-            ]
-            if task_type is not None:
-                a.append(("specgate.task_type", task_type))
-            if facts is not None:
-                a += zip(_CONTROLLER_KEYS, facts, strict=True)
-            if expected:
-                a.append(("specgate.expected.pools", [p for p, _ in expected]))
-                a.append(("specgate.expected.seconds", [float(s) for _, s in expected]))
-            return a
-
-        attrs = t.encoder.block(("route", cls, tuple(plan), reason, task_type, facts, tuple(expected)), items)
-        return wire.span(tid, t.span_id().to_bytes(8, "big"), sid, t.encoder.name("specgate.route"), wire.INTERNAL,
-                         start_ns, end_ns, attrs, trace_state=state, flags=flags)  # fmt: skip
-
-    def _attempt_span(self, at: Attempt, tid: bytes, sid: bytes, state: bytes, flags: int, end_ns: int) -> bytes:
-        enc = self._t.encoder
-        operation = self.operation
-        model = at.model or self._request_params()[0]
-
-        def items() -> list[tuple[str, Any]]:
-            parts = urlsplit(at.url)
-            try:
-                port = parts.port
-            except ValueError:
-                port = None
-            a: list[tuple[str, Any]] = [
-                ("gen_ai.operation.name", operation),
-                ("server.address", parts.hostname or ""),
-                ("specgate.pool", at.pool),
-                ("specgate.pool.kind", at.kind),
-                ("specgate.endpoint", at.endpoint),
-                ("specgate.attempt", at.number),
-                ("specgate.committed", at.committed),
-            ]
-            if port is not None:
-                a.append(("server.port", port))
-            if model is not None:
-                a.append(("gen_ai.request.model", model[:256]))
-            if at.status is not None:
-                a.append(("http.response.status_code", at.status))
-            if at.error_type is not None:
-                a.append(("error.type", at.error_type))
-            return a
-
-        key = ("attempt", operation, at.url, at.pool, at.kind, at.endpoint, at.number, at.committed, model,
-               at.status, at.error_type)  # fmt: skip
-        attrs = enc.block(key, items)
-        if at.ttft_s is not None:
-            attrs += enc.number("specgate.ttft_s", float(at.ttft_s))
-        name = enc.name(f"{operation} {model}" if model else operation)
-        return wire.span(tid, at.span_id.to_bytes(8, "big"), sid, name, wire.CLIENT, at.start_ns, at.end_ns or end_ns,
-                         attrs, error=not at.committed, trace_state=state, flags=flags)  # fmt: skip

@@ -10,11 +10,13 @@ request whose first pool fails shows two attempts; with a head sample of 0 only 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -57,6 +59,8 @@ class SpanRow:
     kind: int
     attrs: dict[str, Any]
     status_code: int
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
@@ -83,6 +87,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
                             kind=s.kind,
                             attrs={a.key: _value(a.value) for a in s.attributes},
                             status_code=s.status.code,
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
                         )
                     )
         with self.lock:
@@ -102,6 +108,35 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[mis
                 return spans
             time.sleep(0.05)
         raise AssertionError(f"trace {trace_id} incomplete after {WAIT_S}s: {[s.name for s in self.trace(trace_id)]}")
+
+
+_PICTURED = ("specgate.class", "specgate.plan", "specgate.route.reason", "specgate.pool", "http.response.status_code",
+             "error.type", "specgate.fallback", "specgate.committed", "specgate.ttft_s",
+             "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token")  # fmt: skip
+
+
+def render_tree(spans: list[SpanRow]) -> str:
+    """The trace as an indented tree with start offsets and durations (docs/tracing.md shows one)."""
+    t0 = min(s.start_ns for s in spans)
+    children: dict[str, list[SpanRow]] = {}
+    for s in sorted(spans, key=lambda s: s.start_ns):
+        children.setdefault(s.parent_id, []).append(s)
+    ids = {s.span_id for s in spans}
+    lines: list[str] = []
+
+    def walk(s: SpanRow, depth: int) -> None:
+        def show(v: Any) -> str:
+            return f"{v * 1000:.1f} ms" if isinstance(v, float) else str(v)
+
+        facts = ", ".join(f"{k.split('.')[-1]} {show(s.attrs[k])}" for k in _PICTURED if k in s.attrs)
+        lines.append(f"{'  ' * depth}{s.name:<{40 - 2 * depth}} {s.service:<9} {(s.start_ns - t0) / 1e6:7.1f} ms "
+                     f"+{(s.end_ns - s.start_ns) / 1e6:7.1f} ms  {facts}")  # fmt: skip
+        for c in children.get(s.span_id, []):
+            walk(c, depth + 1)
+
+    for root in (s for s in spans if s.parent_id not in ids):
+        walk(root, 0)
+    return "\n".join(lines)
 
 
 def _value(v: Any) -> Any:
@@ -278,6 +313,11 @@ def test_fallback_shows_two_attempts(
     assert server.attrs["specgate.attempts"] == 2
     llm = one(spans, "llm_request")  # the injected failure is answered before generation: only std generated
     assert llm.parent_id == second.span_id
+    tree = render_tree(spans)
+    assert tree.splitlines()[0].startswith("POST /v1/chat/completions")
+    assert len(tree.splitlines()) == len(spans)  # every span in one tree under the server span
+    if os.environ.get("SPECGATE_TRACE_PICTURE"):  # where to write the picture (docs/tracing.md's one trace)
+        Path(os.environ["SPECGATE_TRACE_PICTURE"]).write_text(tree + "\n")
     assert PROMPT_MARK.encode() not in b"".join(rx.raw)
 
 

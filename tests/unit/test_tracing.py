@@ -279,8 +279,8 @@ def test_observe_reads_keys_never_text() -> None:
     )
     trace.observe(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}')
     trace.observe(b'data: {"usage":{"prompt_tokens":12,"completion_tokens":34,"total_tokens":46}}')
-    assert trace._finish_reasons == ["stop"]
-    assert trace._usage == {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 34}
+    assert trace.finish_reasons == ["stop"]
+    assert trace.usage == {"gen_ai.usage.input_tokens": 12, "gen_ai.usage.output_tokens": 34}
 
 
 def test_tracing_setting_from_env(tmp_path: Path) -> None:
@@ -356,3 +356,33 @@ def test_exemplars_name_exported_traces_only(ratio: str) -> None:
     assert orjson.loads(out.getvalue().splitlines()[0])["trace_id"] == trace.trace_id
     exposition = metrics.render(openmetrics=True).decode()
     assert (f'trace_id="{trace.trace_id}"' in exposition) is (ratio == "1")
+
+
+def test_unsampled_request_reads_its_answer_only_when_kept() -> None:
+    """An unsampled request keeps references to the last two pieces of its answer, nothing read; kept by the tail
+    decision, its finish reasons and usage come from them."""
+    tracing, sent = _tracing("0")
+    quiet = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    quiet.observe(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}')
+    assert quiet.finish_reasons is None
+    assert quiet.usage is None
+    failed_id = _request(tracing, fail=True)
+    (server,) = [s for s in _exported(tracing, sent) if s.kind == 2 and s.trace_id.hex() == failed_id]
+    a = _attrs(server)
+    assert a["gen_ai.response.finish_reasons"] == ["stop"]
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (3, 4)
+    assert a["error.type"] == "upstream_error"
+
+
+def test_a_trace_that_cannot_be_written_is_dropped_alone() -> None:
+    """The export thread writes the spans; a trace it fails to write is counted as dropped, the batch still goes."""
+    tracing, sent = _tracing("1", OTEL_BSP_SCHEDULE_DELAY="3600000")
+    good = _request(tracing)
+    broken = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    broken.route(0, traffic_class="c", task_type=None, plan=("a",), reason="preferred", choice=object())
+    broken.finish(status=200, outcome="ok", pool="a", endpoint=None, attempts=0, commit_s=None, accepted=None,
+                  drafted=None, idempotency=None)  # fmt: skip
+    spans = _exported(tracing, sent)
+    assert {s.trace_id.hex() for s in spans} == {good}
+    assert tracing.exporter.dropped == 3  # server, admission, route of the broken one
+    tracing.shutdown()

@@ -1,0 +1,64 @@
+"""Targets measured in turns, one short measurement each per round (``specgate bench overhead --tracing``): a
+machine whose load drifts (other work on the same cores) shifts them all alike, which one target after the other
+does not. Each round starts with another target, so none is always the one measured first; the req/s ratio to the
+first target is the median over the rounds of the ratio within a round, so a burst of other work on the machine
+spoils one round's ratio, not the result. Each target's CPU per request comes from its process's /proc counters."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+
+
+class _Measured(Protocol):
+    @property
+    def rps(self) -> float: ...
+
+
+R = TypeVar("R", bound=_Measured)
+
+
+@dataclass(frozen=True, slots=True)
+class Turns(Generic[R]):
+    samples: dict[str, list[R]]  # per target, one per round
+    cpu_us: dict[str, float]  # per target: its process's CPU microseconds per request (where /proc tells)
+    ratios: dict[str, float]  # per target: median over the rounds of its req/s over the first target's
+
+
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), or None where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_turns(urls: dict[str, str], rounds: int, pids: dict[str, int], measure: Callable[[str], R]) -> Turns[R]:
+    """``measure`` each of ``urls``' targets once per round, ``rounds`` rounds (module docstring)."""
+    samples: dict[str, list[R]] = {t: [] for t in urls}
+    cpu: dict[str, float] = dict.fromkeys(urls, 0.0)
+    done: dict[str, float] = dict.fromkeys(urls, 0.0)
+    per_round: dict[str, list[float]] = {t: [] for t in urls}
+    order = list(urls.items())
+    first = order[0][0]
+    for i in range(rounds):
+        got: dict[str, float] = {}
+        for target, url in order[i % len(order) :] + order[: i % len(order)]:
+            before = cpu_s(pids[target])
+            r = measure(url)
+            after = cpu_s(pids[target])
+            samples[target].append(r)
+            got[target] = r.rps
+            if before is not None and after is not None:
+                cpu[target] += after - before
+                done[target] += r.rps
+        if got[first] > 0:
+            for target, rps in got.items():
+                per_round[target].append(rps / got[first])
+    ratios = {t: sorted(v)[len(v) // 2] for t, v in per_round.items() if v}
+    cpu_us = {t: cpu[t] / done[t] * 1e6 for t in urls if done[t] > 0 and cpu[t] > 0}
+    return Turns(samples, cpu_us, ratios)

@@ -1,0 +1,31 @@
+"""Targets measured in turns: each round starts with another target, and the ratio to the first target is the
+median of the rounds' ratios (one disturbed round does not move it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gateway.bench.turns import in_turns
+
+
+@dataclass
+class Result:
+    rps: float
+
+
+def test_rounds_rotate_and_the_ratio_is_the_median() -> None:
+    calls: list[str] = []
+    base = {"a": 100.0, "b": 90.0, "c": 80.0}
+
+    def measure(url: str) -> Result:
+        calls.append(url)
+        if len(calls) == 4:  # round 1, first turn (b): the machine was busy
+            assert url == "b"
+            return Result(10.0)
+        return Result(base[url])
+
+    got = in_turns({"a": "a", "b": "b", "c": "c"}, 3, {t: os.getpid() for t in "abc"}, measure)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each round starts with the next target
+    assert got.ratios == {"a": 1.0, "b": 0.9, "c": 0.8}
+    assert [r.rps for r in got.samples["b"]] == [90.0, 10.0, 90.0]
