@@ -218,7 +218,7 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
     endpoint = endpoint_for(path)
     task_header = next((v for k, v in headers.items() if k.lower() == TASK_HEADER), None)
     live = rt.live
-    d = decide(live, rt.routing, endpoint, body, task_header, rt.rng, count=False)
+    d = decide(live, rt.routing, endpoint, body, task_header, rt.rng, count=False, weigh_all=True)
     d.check_model()
     klass = d.klass
     controller = rt.routing.snapshot().get(d.traffic_class) if klass is not None else None

@@ -34,14 +34,11 @@ MIN_PREDICTED_FOR_CORRECTION = 4096  # predicted hit tokens between two scrapes 
 
 
 def chain_hashes(text: str) -> tuple[int, ...]:
-    """The chain of chunk hashes of a rendered prompt (whole chunks only, at most ``MAX_PROMPT_CHUNKS``)."""
-    n = min(len(text) // CHUNK_CHARS, MAX_PROMPT_CHUNKS)
-    out: list[int] = []
+    """The chain of chunk hashes of a rendered prompt (whole chunks only, at most ``MAX_PROMPT_CHUNKS``). One
+    comprehension, no loop body in Python: it runs on every request of a class with a controller."""
+    end = min(len(text) // CHUNK_CHARS, MAX_PROMPT_CHUNKS) * CHUNK_CHARS
     parent = 0
-    for i in range(0, n * CHUNK_CHARS, CHUNK_CHARS):
-        parent = hash((parent, text[i : i + CHUNK_CHARS]))
-        out.append(parent)
-    return tuple(out)
+    return tuple([(parent := hash((parent, text[i : i + CHUNK_CHARS]))) for i in range(0, end, CHUNK_CHARS)])
 
 
 class PrefixIndex:
@@ -96,11 +93,13 @@ class PrefixIndex:
         many of them were warm before (the predicted hit, in chunks)."""
         warm = self.match(chunks)
         held = self._chunks
-        for h in reversed(chunks):
-            if h in held:
-                held.move_to_end(h)
-            else:
-                held[h] = None
+        # the warm chunks are the first ``warm`` ones (the present ones are a prefix), the rest are new: the new
+        # ones enter last first, then the warm ones move to the end last first (the order one loop would leave)
+        if warm < len(chunks):
+            held.update(dict.fromkeys(reversed(chunks[warm:])))
+        move = held.move_to_end
+        for h in reversed(chunks[:warm]):
+            move(h)
         self._evict()
         self.predicted_chunks += warm
         self._since_scrape += warm

@@ -81,6 +81,7 @@ def configure_logging(level: str = "info") -> None:
 
 
 _PIPE_BUF = select.PIPE_BUF
+_ACCESS_HEAD = b'Z","level":"info","logger":"specgate.access",'  # an access line after its ``ts``'s milliseconds
 
 
 class AccessLog:
@@ -103,14 +104,27 @@ class AccessLog:
         self._max = max_buffer_bytes
         self._buf: list[bytes] = []
         self._size = 0
+        self._second = -1  # the whole second of the last line's ``ts``, and that ``ts`` up to its seconds
+        self._second_text = b""
 
     def write(self, line: dict[str, Any]) -> None:
         """One request's line, in the shape of every other line: ``ts``, ``level``, ``logger``, then ``line``
-        (its ``event`` first)."""
+        (its ``event`` first). The head is written as bytes in front of the serialised ``line`` (no merged dict,
+        the date formatted once a second): the same text as ``timestamp`` and one ``orjson.dumps`` of both."""
         if not self.enabled:
             return
-        head = {"ts": timestamp(time.time()), "level": "info", "logger": "specgate.access"}
-        data = orjson.dumps({**head, **line}, option=orjson.OPT_APPEND_NEWLINE)
+        now = time.time()
+        if not line or "ts" in line or "level" in line or "logger" in line:  # not a request's line: merged
+            head = {"ts": timestamp(now), "level": "info", "logger": "specgate.access"}
+            data = orjson.dumps({**head, **line}, option=orjson.OPT_APPEND_NEWLINE)
+        else:
+            second = int(now)
+            if second != self._second:
+                self._second = second
+                self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)).encode()
+            ms = b"%03d" % (int(now * 1000) % 1000)
+            body = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+            data = b"".join((b'{"ts":"', self._second_text, b".", ms, _ACCESS_HEAD, memoryview(body)[1:]))
         self._buf.append(data)
         self._size += len(data)
         if self._size >= self._max:

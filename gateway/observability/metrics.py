@@ -183,6 +183,8 @@ class GatewayMetrics:
         self._in_flight: dict[str, Any] = {}
         self._attempts: dict[tuple[str, str], Any] = {}
         self._routes: dict[tuple[str, str], Any] = {}
+        self._acceptance: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._acceptance_bands: dict[tuple[str, str], Any] = {}
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
         self.shared_dir: str | None = None
 
@@ -416,13 +418,25 @@ class GatewayMetrics:
         if window is None:
             window = self.class_windows[cls] = AcceptanceWindow()
         window.add(sample)
-        self.class_acceptance.labels(cls).set(window.ratio)
-        self.class_acceptance_length.labels(cls).set(window.mean_acceptance_length)
-        self.class_draft_tokens.labels(cls).inc(sample.drafted)
-        self.class_accepted_tokens.labels(cls).inc(sample.accepted)
+        children = self._acceptance.get(cls)
+        if children is None:
+            children = self._acceptance[cls] = (
+                self.class_acceptance.labels(cls),
+                self.class_acceptance_length.labels(cls),
+                self.class_draft_tokens.labels(cls),
+                self.class_accepted_tokens.labels(cls),
+            )
+        ratio, length, drafted, accepted = children
+        ratio.set(window.ratio)
+        length.set(window.mean_acceptance_length)
+        drafted.inc(sample.drafted)
+        accepted.inc(sample.accepted)
         rate = sample.rate
         if rate is not None:
-            self.class_acceptance_requests.labels(cls, band).observe(rate)
+            hist = self._acceptance_bands.get((cls, band))
+            if hist is None:
+                hist = self._acceptance_bands[(cls, band)] = self.class_acceptance_requests.labels(cls, band)
+            hist.observe(rate)
 
     def render(self, openmetrics: bool = False) -> bytes:
         """The exposition; ``openmetrics``: the OpenMetrics format, which carries the latency exemplars (one

@@ -81,12 +81,15 @@ def decide(
     count: bool = True,
     texts: Callable[[], Texts] | None = None,
     prompt: tuple[int, ...] | None = None,
+    weigh_all: bool = False,
 ) -> Decision:
     """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
     serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
     texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk); ``prompt``: its
-    chunk hashes, taken from the rendering made there."""
+    chunk hashes, taken from the rendering made there. ``weigh_all``: the pools' warmth is weighed (and the warm
+    home's verdict kept in the plan) for a request that cannot go to a warm home too (explain shows it); else only
+    for one that continues a conversation."""
     if endpoint is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
@@ -104,7 +107,7 @@ def decide(
             c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
         )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
-    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt)
+    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt, weigh_all)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
@@ -140,17 +143,22 @@ def _warmth(
     body: Mapping[str, Any],
     choice: RouteChoice | None,
     hashed: tuple[int, ...] | None = None,
+    weigh_all: bool = False,
 ) -> tuple[tuple[int, ...] | None, dict[str, int] | None, bool]:
     """For a class with a controller whose pools have prefix affinity on: the prompt's chunk hashes (the attempts
-    record them, so that the next turn finds its prefix), each controller pool's counted warm prefix of it (only
-    when some index holds anything) and whether the request continues a conversation (it may go to its warm
-    home). Nothing for other requests: they pay no hashing here."""
+    record them, so that the next turn finds its prefix), whether the request continues a conversation (it may go
+    to its warm home) and, for such a request (or any, ``weigh_all``), each controller pool's counted warm prefix
+    of it (only when some index holds anything). Nothing for other requests: they pay no hashing here. A request
+    that starts a conversation cannot go to a warm home: its pools' indexes are not searched."""
     if choice is None or not choice.pools:
         return None, None, False
     pools = [p for _, name in choice.pools if (p := live.pools.get(name)) is not None]
     if not any(p.affinity.enabled for p in pools):
         return None, None, False
     prompt = prompt_chunks(endpoint, body) if hashed is None else hashed
-    if not prompt or not any(p.indexed() for p in pools):
+    if not prompt:
         return prompt, None, False
-    return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, continues(endpoint, body)
+    eligible = continues(endpoint, body)
+    if not (eligible or weigh_all) or not any(p.indexed() for p in pools):
+        return prompt, None, False
+    return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, eligible

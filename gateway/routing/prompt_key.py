@@ -64,7 +64,7 @@ def _chat(body: Mapping[str, Any], out: list[str]) -> None:
         if not isinstance(m, dict):
             continue
         role = m.get("role")
-        out.append(_SEP + (role if isinstance(role, str) else "") + _ROLE + _content(m.get("content")))
+        out += (_SEP, role if isinstance(role, str) else "", _ROLE, _content(m.get("content")))  # joined once
         calls = m.get("tool_calls")
         if calls:
             out.append(_dumps(calls))
