@@ -30,7 +30,8 @@ from starlette.routing import BaseRoute, Route
 
 from gateway.admin.protocol import ACTOR_HEADER
 from gateway.errors import InvalidParameter, NotFound
-from gateway.overrides.manager import Kind, Override, parse_reason, parse_ttl, parse_weight
+from gateway.overrides.model import parse_reason, parse_ttl, parse_weight
+from gateway.overrides.override import Kind, Override
 from gateway.proxy.http import json_response, parse_object, read_request_body
 from gateway.runtime.container import Runtime
 from gateway.store.base import StoreUnavailable

@@ -32,7 +32,8 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.observability.tracing import Tracing
 from gateway.overrides.audit import AuditLog, AuditRecord
-from gateway.overrides.manager import Override, OverrideManager
+from gateway.overrides.manager import OverrideManager
+from gateway.overrides.override import Override
 from gateway.overrides.store import build_override_store
 from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload

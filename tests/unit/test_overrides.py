@@ -15,7 +15,9 @@ from gateway.config.schema import RoutingRules
 from gateway.errors import InvalidParameter
 from gateway.fleet.pools import PoolState
 from gateway.overrides.audit import AuditRecord
-from gateway.overrides.manager import Override, OverrideManager, effective_weight, parse_reason, parse_ttl, parse_weight
+from gateway.overrides.manager import OverrideManager
+from gateway.overrides.model import parse_reason, parse_ttl, parse_weight
+from gateway.overrides.override import Override, effective_weight
 from gateway.overrides.store import MemoryOverrideStore, OverrideStore
 from gateway.routing.plan import PoolView, plan_route
 from gateway.routing.routing_state import RoutingState
@@ -343,7 +345,7 @@ async def test_memory_store_notifies_every_listener() -> None:
 
 def test_a_huge_weight_is_refused_it_would_overflow_the_pick() -> None:
     from gateway.errors import InvalidParameter
-    from gateway.overrides.manager import MAX_WEIGHT, parse_weight
+    from gateway.overrides.model import MAX_WEIGHT, parse_weight
 
     assert parse_weight(MAX_WEIGHT) == MAX_WEIGHT
     for bad in (1e308, MAX_WEIGHT * 2, -1, float("nan"), float("inf"), True, "1"):
