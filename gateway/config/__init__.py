@@ -2,8 +2,8 @@
 
 - ``settings``: flags and ``SPECGATE_*`` variables, resolved once (``Settings``); ``setting_spec``: how one of its
   fields is declared (default, help, bounds, source) and read from its variable.
-- ``schema``: the routing YAML as strict pydantic models (``operations``: its scrape and overload sections;
-  ``affinity``: the ``prefix_affinity`` block);
+- ``schema``: the routing YAML as strict pydantic models (``pool``: a pool, its endpoints, timeouts and admission;
+  ``operations``: its scrape and overload sections; ``affinity``: the ``prefix_affinity`` block);
   ``checks``: whole-document checks;
   ``loader``: parse + validate with errors that name the YAML path and line; ``jsonschema``: the editor schema.
 - ``tenants``: the tenants file (``--tenants-file``): each tenant's keys, priority, share weight and limits.

@@ -1,12 +1,14 @@
-"""The building blocks of the routing YAML's models: strict models, YAML numbers, pool kinds."""
+"""The building blocks of the routing YAML's models: strict models, YAML numbers, pool kinds, names."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 PoolKind = Literal["speculative", "standard"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]  # a pool, class or endpoint id
 
 
 def _int_to_float(v: object) -> object:

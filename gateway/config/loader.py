@@ -28,8 +28,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from gateway.config.base import NAME_PATTERN
 from gateway.config.checks import Loc, format_path, semantic_issues
-from gateway.config.schema import NAME_PATTERN, RoutingRules
+from gateway.config.schema import RoutingRules
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _EXPECTED = {

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config.schema import Endpoint, RoutingRules
+from gateway.config.pool import Endpoint
+from gateway.config.schema import RoutingRules
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.config.affinity import PrefixAffinity
-from gateway.config.schema import Pool as PoolSpec
+from gateway.config.pool import Pool as PoolSpec
 from gateway.fleet.affinity import min_chunks, warm_pick
 from gateway.fleet.prefix_index import TOKENS_PER_CHUNK, PrefixIndex
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.config.schema import Pool as PoolSpec
+from gateway.config.pool import Pool as PoolSpec
 from gateway.errors import (
     UpstreamConnectError,
     UpstreamInvalidResponse,

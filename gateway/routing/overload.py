@@ -27,7 +27,7 @@ import math
 import re
 from collections.abc import Mapping
 
-from gateway.config.schema import Pool as PoolSpec
+from gateway.config.pool import Pool as PoolSpec
 from gateway.fleet.pools import EndpointState, PoolState
 
 # The words of an engine saying it is too busy (vLLM's queue-full 503: "The engine is currently busy and cannot accept

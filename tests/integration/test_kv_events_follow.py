@@ -128,7 +128,7 @@ def test_a_publisher_that_is_not_there_costs_nothing(gateway: Gateway, fake: Cal
 def test_kv_events_must_name_a_server_to_connect_to() -> None:
     from pydantic import ValidationError
 
-    from gateway.config.schema import Endpoint
+    from gateway.config.pool import Endpoint
 
     assert Endpoint(url="http://a:8000", kv_events="tcp://a:5557").kv_events == "tcp://a:5557"
     for bad in ("tcp://*:5557", "http://a:5557", "tcp://a", "tcp://a:5557/x", "tcp://a:notaport"):

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config.schema import Pool, Scrape
+from gateway.config.pool import Pool
+from gateway.config.schema import Scrape
 from gateway.config.settings import Settings
 from gateway.fleet.pools import PoolState
 from gateway.fleet.scraper import Scraper

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from gateway.config.schema import Defaults, OutlierDetection, Pool
+from gateway.config.pool import Pool
+from gateway.config.schema import Defaults, OutlierDetection
 from gateway.config.schema import RetryBudget as RetryBudgetSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
 from gateway.fleet.h1response import ConnectionBroken

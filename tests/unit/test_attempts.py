@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from gateway.config.schema import Defaults, OutlierDetection, Pool, Route
+from gateway.config.pool import Pool
+from gateway.config.schema import Defaults, OutlierDetection, Route
 from gateway.config.schema import RetryBudget as RetryBudgetSpec
 from gateway.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnreachable
 from gateway.fleet.pools import PoolState
@@ -333,7 +334,7 @@ def test_empty_plan_should_not_be_retried_when_nothing_can_change() -> None:
 
 
 async def test_a_health_round_ends_ejections_that_would_leave_a_model_without_endpoints() -> None:
-    from gateway.config.schema import Pool
+    from gateway.config.pool import Pool
     from gateway.fleet.health import HealthChecker
     from gateway.fleet.pools import PoolState
     from gateway.observability.metrics import GatewayMetrics

@@ -10,7 +10,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from gateway.cluster import snapshot
-from gateway.config.schema import Pool as PoolSpec
+from gateway.config.pool import Pool as PoolSpec
 from gateway.fleet.pools import PoolState
 from gateway.fleet.vllm_metrics import Acceptance, PoolLoadView
 from gateway.routing import overload

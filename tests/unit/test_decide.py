@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from gateway.config.schema import Pool, Route
+from gateway.config.pool import Pool
+from gateway.config.schema import Route
 from gateway.fleet.pools import PoolState
 from gateway.routing.plan import PoolView, plan_route
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config.schema import Defaults, OutlierDetection, Overload, Pool
+from gateway.config.pool import Pool
+from gateway.config.schema import Defaults, OutlierDetection, Overload
 from gateway.errors import (
     NoCapacity,
     Overloaded,

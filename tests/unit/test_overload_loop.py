@@ -11,7 +11,8 @@ from typing import Any
 
 import orjson
 
-from gateway.config.schema import Defaults, Overload, Pool
+from gateway.config.pool import Pool
+from gateway.config.schema import Defaults, Overload
 from gateway.errors import UpstreamPoolFull
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.upstream import UpstreamResponse

@@ -17,7 +17,8 @@ from rich.console import Console
 
 from gateway.cli.render import render
 from gateway.config.affinity import PrefixAffinity
-from gateway.config.schema import MetricNames, Pool, RoutingRules, Scrape
+from gateway.config.pool import Pool
+from gateway.config.schema import MetricNames, RoutingRules, Scrape
 from gateway.fleet.affinity import assess, load_bound, warm_pick
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.prefix_index import (

@@ -9,7 +9,8 @@ from typing import Any
 import pydantic
 import pytest
 
-from gateway.config.schema import MetricNames, Pool, Scrape
+from gateway.config.pool import Pool
+from gateway.config.schema import MetricNames, Scrape
 from gateway.fleet.pools import PoolState
 from gateway.fleet.scraper import Scraper
 from gateway.fleet.vllm_metrics import (
