@@ -7,5 +7,6 @@
   (``h1response``: its response, body decoding and limits, and its errors);
   ``upstream``: one per pool (``PoolClient``), its failures mapped onto the gateway's errors.
 - ``health``: active ``GET /health`` checks; ``scraper``: the ``/metrics`` scrape loop;
-  ``vllm_metrics``: vLLM's Prometheus text → endpoint and pool load (pure).
+  ``vllm_exposition``: vLLM's Prometheus text → one sample (pure); ``vllm_metrics``: samples → endpoint and pool
+  load (pure).
 """

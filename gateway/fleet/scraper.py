@@ -24,13 +24,8 @@ import aiohttp
 from gateway.config.schema import Scrape
 from gateway.fleet.pools import EndpointState, PoolState
 from gateway.fleet.prefix_index import TOKENS_PER_CHUNK
-from gateway.fleet.vllm_metrics import (
-    EndpointLoad,
-    MetricsFormatError,
-    PoolLoad,
-    PoolLoadView,
-    parse_vllm_metrics_bytes,
-)
+from gateway.fleet.vllm_exposition import MetricsFormatError, parse_vllm_metrics_bytes
+from gateway.fleet.vllm_metrics import EndpointLoad, PoolLoad, PoolLoadView
 from gateway.observability.metrics import GatewayMetrics
 from gateway.periodic import run_every
 

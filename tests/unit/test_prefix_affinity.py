@@ -30,7 +30,8 @@ from gateway.fleet.prefix_index import (
     chain_hashes,
 )
 from gateway.fleet.scraper import Scraper
-from gateway.fleet.vllm_metrics import EndpointLoad, parse_vllm_metrics
+from gateway.fleet.vllm_exposition import parse_vllm_metrics
+from gateway.fleet.vllm_metrics import EndpointLoad
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.proxy.record import RequestRecord

@@ -13,14 +13,8 @@ from gateway.config.pool import Pool
 from gateway.config.schema import MetricNames, Scrape
 from gateway.fleet.pools import PoolState
 from gateway.fleet.scraper import Scraper
-from gateway.fleet.vllm_metrics import (
-    EndpointLoad,
-    MetricsFormatError,
-    PoolLoad,
-    VllmSample,
-    parse_vllm_metrics,
-    parse_vllm_metrics_bytes,
-)
+from gateway.fleet.vllm_exposition import MetricsFormatError, VllmSample, parse_vllm_metrics, parse_vllm_metrics_bytes
+from gateway.fleet.vllm_metrics import EndpointLoad, PoolLoad
 from gateway.observability.metrics import GatewayMetrics
 from gateway.sim.faults import MALFORMED_METRICS
 from gateway.sim.metrics import VllmMetrics
