@@ -60,21 +60,14 @@ def admit_at_bound(
     request's own (a per-request header), else its tenant's."""
     if in_flight >= 2 * bound:
         return False
-    known = tenants.get(tenant)
-    if known is None:
+    band = _band(tenant, counts, tenants, bound, priority)
+    if band is None:
         return False
-    mine = known if priority is None else TenantWeight(known.weight, priority)
-    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
-    if any(t.priority > mine.priority for t in active.values()):
+    if any(t.priority > band.mine.priority for t in band.active.values()):
         return True  # a worse band holds requests here: it is the one to shed
-    # Shares within the request's band, of what the better bands leave of the bound.
-    better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
-    band = {name: t for name, t in active.items() if t.priority == mine.priority}
-    band[tenant] = mine
-    shares = fair_shares(max(0, bound - better), band)
-    if counts.get(tenant, 0) + 1 > math.ceil(shares[tenant]):
+    if counts.get(tenant, 0) + 1 > math.ceil(band.shares[tenant]):
         return False  # above its share with this request: shed it
-    return any(counts.get(name, 0) > shares[name] for name in band if name != tenant)
+    return any(counts.get(name, 0) > share for name, share in band.shares.items() if name != tenant)
 
 
 def hold_back(
@@ -83,6 +76,7 @@ def hold_back(
     tenants: Mapping[str, TenantWeight],
     bound: int,
     in_flight: int,
+    *,
     priority: int | None = None,
     best: int | None = None,
 ) -> bool:
@@ -94,36 +88,49 @@ def hold_back(
     vLLM's queue past the bound."""
     if in_flight + len(counts) + 1 < bound:
         return False  # more free slots than there are other tenants (and the fast lane): nothing to keep
-    known = tenants.get(tenant)
-    if known is None:
+    band = _band(tenant, counts, tenants, bound, priority)
+    if band is None:
         return False
-    mine = known if priority is None else TenantWeight(known.weight, priority)
+    mine = band.mine
     if best is None:
         best = min(t.priority for t in tenants.values())
-    active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
     if best < mine.priority and in_flight + 1 >= bound:
         return True  # the fast lane: the last free slot is for a better priority's next request
-    if not active:
+    if not band.active:
         return False
-    better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
-    band = {name: t for name, t in active.items() if t.priority == mine.priority}
-    band[tenant] = mine
-    shares = fair_shares(max(0, bound - better), band)
-    if counts.get(tenant, 0) + 1 <= math.ceil(shares[tenant]):
+    if counts.get(tenant, 0) + 1 <= math.ceil(band.shares[tenant]):
         return False  # within its share (as admit_at_bound counts it): it takes the slot
-    keep = max(1 if best < mine.priority else 0, sum(1 for t in active.values() if t.priority < mine.priority))
-    keep += sum(1 for name in band if name != tenant and counts.get(name, 0) < shares[name])
+    keep = max(1 if best < mine.priority else 0, sum(1 for t in band.active.values() if t.priority < mine.priority))
+    keep += sum(1 for name, share in band.shares.items() if name != tenant and counts.get(name, 0) < share)
     return in_flight + keep >= bound
 
 
 def share_of(tenant: str, counts: Mapping[str, int], tenants: Mapping[str, TenantWeight], bound: int) -> float | None:
     """``tenant``'s fair share of a pool whose requests per tenant are ``counts``, as ``admit_at_bound`` reckons it
     (its band's part of what the better bands leave). None for a tenant not in ``tenants``."""
-    mine = tenants.get(tenant)
-    if mine is None:
+    band = _band(tenant, counts, tenants, bound, None)
+    return None if band is None else band.shares[tenant]
+
+
+@dataclass(frozen=True, slots=True)
+class _Band:
+    """A request's tenant among the others holding requests in a pool."""
+
+    mine: TenantWeight  # its weight, and its priority (the request's own when it has one)
+    active: dict[str, TenantWeight]  # the other known tenants holding requests in the pool
+    shares: dict[str, float]  # its band's fair shares (itself included) of what the better bands leave of the bound
+
+
+def _band(
+    tenant: str, counts: Mapping[str, int], tenants: Mapping[str, TenantWeight], bound: int, priority: int | None
+) -> _Band | None:
+    """``tenant``'s band in a pool with ``counts`` requests per tenant; None for a tenant not in ``tenants``."""
+    known = tenants.get(tenant)
+    if known is None:
         return None
+    mine = known if priority is None else TenantWeight(known.weight, priority)
     active = {name: tenants[name] for name, n in counts.items() if n > 0 and name in tenants and name != tenant}
     better = sum(counts.get(name, 0) for name, t in active.items() if t.priority < mine.priority)
     band = {name: t for name, t in active.items() if t.priority == mine.priority}
     band[tenant] = mine
-    return fair_shares(max(0, bound - better), band)[tenant]
+    return _Band(mine, active, fair_shares(max(0, bound - better), band))

@@ -132,7 +132,8 @@ class WaitingRoom:
         base = sum(counts.values())
 
         def held_back(w: Waiter, now: Mapping[str, int]) -> bool:
-            return hold_back(w.tenant, now, weights, bound, taken + sum(now.values()) - base, w.priority, best)
+            in_flight = taken + sum(now.values()) - base
+            return hold_back(w.tenant, now, weights, bound, in_flight, priority=w.priority, best=best)
 
         self.grant(bound - taken, counts, held_back)
 

@@ -180,7 +180,9 @@ class Ticket:
         if bound is None or not counts:
             return False
         tenancy = self.tenancy
-        return hold_back(self.tenant.name, counts, tenancy.weights, bound, in_flight, self.priority, tenancy.best)
+        return hold_back(
+            self.tenant.name, counts, tenancy.weights, bound, in_flight, priority=self.priority, best=tenancy.best
+        )
 
     def observe(self, data: bytes) -> None:
         """A body or event of the answer: keep the usage it reports (tenants with a tokens limit only)."""
