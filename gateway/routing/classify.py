@@ -17,8 +17,8 @@ import re2
 
 from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
 from gateway.errors import InvalidParameter
+from gateway.routing.responses_features import format_type, responses_inputs, responses_texts
 from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
-from gateway.routing.responses_features import responses_inputs, responses_texts
 
 Endpoint = Literal["chat", "completions", "responses"]
 TaskSource = Literal["header", "rule", "default"]
@@ -146,15 +146,6 @@ def _n_of(body: Mapping[str, Any]) -> int:
     if isinstance(n_raw, int) and not isinstance(n_raw, bool):
         return int(_in_range(body, "n", n_raw, 1))
     raise InvalidParameter("'n' must be an integer", param="n")
-
-
-def _response_format(body: Mapping[str, Any]) -> str:
-    rf = body.get("response_format")
-    if rf is None:
-        return "text"
-    if isinstance(rf, dict) and isinstance(rf.get("type"), str):
-        return str(rf["type"])
-    raise InvalidParameter("'response_format' must be an object with a 'type'", param="response_format")
 
 
 def request_texts(endpoint: Endpoint, body: Mapping[str, Any]) -> Texts:
@@ -328,7 +319,7 @@ class Classifier:
             n = _n_of(body)
             tools_raw = body.get("tools")
             tools = isinstance(tools_raw, list) and len(tools_raw) > 0
-            response_format = _response_format(body)
+            response_format = format_type(body.get("response_format"), "response_format")
             reasoning = _reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
             read = texts() if texts is not None else request_texts(endpoint, body)
 

@@ -54,6 +54,24 @@ def reasoning_effort(value: object, param: str) -> str:
     raise InvalidParameter(f"'{param}' must be a reasoning effort such as 'low', 'medium' or 'high'", param=param)
 
 
+def format_type(value: object, param: str) -> str:
+    """The ``type`` of a response format object (chat's ``response_format``, the Responses API's ``text.format``);
+    ``text`` when it is missing."""
+    if value is None:
+        return "text"
+    if isinstance(value, dict) and isinstance(value.get("type"), str):
+        return str(value["type"])
+    raise InvalidParameter(f"'{param}' must be an object with a 'type'", param=param)
+
+
+def _object(body: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    """``body[key]``: an object, or None when missing."""
+    v = body.get(key)
+    if v is None or isinstance(v, dict):
+        return v
+    raise InvalidParameter(f"'{key}' must be an object", param=key)
+
+
 def _max_output_tokens(body: Mapping[str, Any]) -> float:
     v = body.get("max_output_tokens")
     if v is None:
@@ -64,17 +82,8 @@ def _max_output_tokens(body: Mapping[str, Any]) -> float:
 
 
 def _format(body: Mapping[str, Any]) -> str:
-    text = body.get("text")
-    if text is None:
-        return "text"
-    if not isinstance(text, dict):
-        raise InvalidParameter("'text' must be an object", param="text")
-    fmt = text.get("format")
-    if fmt is None:
-        return "text"
-    if isinstance(fmt, dict) and isinstance(fmt.get("type"), str):
-        return str(fmt["type"])
-    raise InvalidParameter("'text.format' must be an object with a 'type'", param="text.format")
+    text = _object(body, "text")
+    return "text" if text is None else format_type(text.get("format"), "text.format")
 
 
 def _tools(body: Mapping[str, Any]) -> bool:
@@ -85,12 +94,8 @@ def _tools(body: Mapping[str, Any]) -> bool:
 
 
 def _reasoning(body: Mapping[str, Any]) -> str:
-    r = body.get("reasoning")
-    if r is None:
-        return "none"
-    if not isinstance(r, dict):
-        raise InvalidParameter("'reasoning' must be an object", param="reasoning")
-    return reasoning_effort(r.get("effort"), "reasoning.effort")
+    r = _object(body, "reasoning")
+    return "none" if r is None else reasoning_effort(r.get("effort"), "reasoning.effort")
 
 
 def _content_text(content: Any) -> str:
