@@ -76,7 +76,7 @@ class Tenant(Strict):
 
 
 class Waiting(Strict):
-    """The waiting room of a full pool (``gateway.routing.waiting_room``): how long a request that would be shed
+    """The waiting room of a full pool (``gateway.runtime.waiting_room``): how long a request that would be shed
     waits for a slot, and how many may wait per pool in each process. ``wait_s: 0``: shed at once."""
 
     wait_s: Number = Field(

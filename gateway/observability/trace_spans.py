@@ -11,13 +11,16 @@ are encoded once per distinct set of values (``Encoder.block``); ids, times and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.observability import otlp_wire as wire
 
-if TYPE_CHECKING:
-    from gateway.observability.tracing import Attempt, Ending, RequestTrace
+# ``tracing.RequestTrace``, its ``Attempt`` and ``Ending``: read here by attribute only. ``tracing`` imports this
+# module, so naming its classes here (even for type checking) would make the two a cycle.
+RequestTrace = Any
+Attempt = Any
+Ending = Any
 
 _CONTROLLER_KEYS = ("specgate.controller.state", "specgate.controller.share", "specgate.controller.pick",
                     "specgate.controller.why")  # fmt: skip

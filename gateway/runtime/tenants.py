@@ -23,7 +23,7 @@ from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.recent_counts import RecentCounts
 from gateway.observability.tenant_metrics import TenantMetrics
 from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
-from gateway.routing.waiting_room import WaitingRoom
+from gateway.runtime.waiting_room import WaitingRoom
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
 
@@ -125,7 +125,7 @@ class Ticket:
     async def admission(self, pool: str, load: Load, can_wait: bool) -> bool:
         """Admission control with tenants: below the bound admitted (unless held back from the last free slots), at
         it admitted by fair share and priority (``gateway.routing.fairshare``); otherwise, where the request has no
-        other pool to go to (``can_wait``), it waits in the pool's waiting room (``gateway.routing.waiting_room``)
+        other pool to go to (``can_wait``), it waits in the pool's waiting room (``gateway.runtime.waiting_room``)
         up to ``waiting.wait_s``. False: shed."""
         tenancy = self.tenancy
         in_flight, bound = load()

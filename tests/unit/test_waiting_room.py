@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config.tenants import load_tenants_text
 from gateway.observability.tenant_metrics import TenantMetrics
-from gateway.routing.waiting_room import Waiter, WaitingRoom
 from gateway.runtime.tenants import Tenancy, Ticket
+from gateway.runtime.waiting_room import Waiter, WaitingRoom
 from gateway.store.ratelimit import MemoryRateLimiter
 
 TENANTS = """
