@@ -28,6 +28,7 @@ def _series(points: list[Point]) -> dict[str, list[Point]]:
 
 # matplotlib is an optional dependency: the runtime image and a plain ``pip install specgate`` go without it.
 BENCH_EXTRA_HINT = "pip install 'specgate[bench]'"
+LAG_OK = 0.02  # late steps worth up to 2% of a point's simulated time: within the noise of its p99
 
 
 class PlotsUnavailable(RuntimeError):
@@ -161,11 +162,13 @@ def ratio_table(points: list[Point], target: Target | None = None) -> list[str]:
         "",
         "The same requests under every policy; each draw resamples requests and picks the best homogeneous fleet "
         "again (a failed request counts as the slowest). met: the whole interval within the target; missed: the "
-        "whole interval beyond it; undecided: the interval straddles it.",
+        f"whole interval beyond it; undecided: the interval straddles it. A point where a simulated server's steps "
+        f"started late by more than {LAG_OK:.0%} of its time (late steps: the worst server of the policies compared) "
+        "measured the machine, not the routing: its verdict is marked not valid.",
         "",
         "| offered load | best homogeneous (p99) | p50 ratio | p50 interval | p99 ratio | p99 interval | p99 target "
-        "| verdict |",
-        "|---:|---|---:|---:|---:|---:|---|---|",
+        "| verdict | late steps |",
+        "|---:|---|---:|---:|---:|---:|---|---|---:|",
     ]
     tally: dict[str, list[str]] = {}
     for load in loads:
@@ -177,11 +180,15 @@ def ratio_table(points: list[Point], target: Target | None = None) -> list[str]:
         p50, p99 = paired_ratios(a.e2e_s, [b.e2e_s for b in base], (0.5, 0.99), seed=round(load * 1000))
         limits = limits_at(load, target)
         verdicts = [verdict(p99, limit) for _name, limit in limits]
+        lag = max((p.lag for p in (a, *base) if not math.isnan(p.lag)), default=math.nan)
+        if lag > LAG_OK:
+            verdicts = [f"{v} (not valid)" for v in verdicts]
         for v in verdicts:
             tally.setdefault(v, []).append(f"{load:.0%}")
+        late = "-" if math.isnan(lag) else f"{lag:.1%}"
         lines.append(
             f"| {load:.0%} | {LABELS[best.policy]} | {_fmt(p50.value, 2)} | {_span(p50)} | {_fmt(p99.value, 2)} | "
-            f"{_span(p99)} | {'; '.join(name for name, _ in limits)} | {'; '.join(verdicts)} |"
+            f"{_span(p99)} | {'; '.join(name for name, _ in limits)} | {'; '.join(verdicts)} | {late} |"
         )
     summary = ", ".join(f"{v} at {', '.join(at)}" for v, at in sorted(tally.items()))
     return [*lines, "", f"- p99 target per point: {summary}", ""]
@@ -267,9 +274,6 @@ def write_report(
         log(str(exc))
         plots = []
     (out_dir / "report.md").write_text(render_report(points, mix, setup, capacity_how, plots, policies, machine))
-
-
-LAG_OK = 0.02  # late steps worth up to 2% of a point's simulated time: within the noise of its p99
 
 
 def harness_cpu(points: list[Point]) -> list[str]:
