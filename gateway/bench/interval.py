@@ -1,4 +1,7 @@
-"""How sure a sweep's p99 comparison is: a bootstrap interval of the ratio of two p99s.
+"""How sure a multi-turn sweep's comparison is: an unpaired bootstrap interval of the ratio of two percentiles.
+
+The single-turn sweep pairs its requests across policies (``bench.paired``); the multi-turn report does not match
+turns across policies, so it resamples each policy's requests on its own.
 
 A p99 over a few hundred requests is decided by its few slowest ones, so two runs of one configuration can differ by
 as much as a target's margin. The report gives each adaptive/best-homogeneous ratio with the interval that

@@ -94,5 +94,5 @@ class Point:
     per_class: tuple[Summary, ...]
     wall_s: float
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU share of one core during the point
-    e2e_s: tuple[float, ...] = ()  # every answered request's E2E (simulated seconds): the p99's interval
+    e2e_s: tuple[float, ...] = ()  # every request's E2E (simulated s; inf: failed), in the order sent
     lag: float = float("nan")  # the worst server's late-step time, as a share of the point's simulated time

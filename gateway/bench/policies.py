@@ -314,7 +314,7 @@ def run_policy(
             lag = clock_lag(lag_before, sim_clocks(sim_ports))
             wall = time.monotonic() - start
             sims = summarise(results, repeats * setup.duration_s / setup.time_scale, spec_pools)
-            e2e = tuple(r.e2e_s for r in results if r.ok)
+            e2e = tuple(r.e2e_s if r.ok else math.inf for r in results)  # paired: request i of every policy
             points.append(Point(policy, load, rate, sims[-1], tuple(sims[:-1]), wall, cpu, e2e, lag))
             s = sims[-1]
             log(

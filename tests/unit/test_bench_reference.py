@@ -1,4 +1,4 @@
-"""The sweep's p99 interval and the fixed-split reference model (virtual clock)."""
+"""The multi-turn report's unpaired p99 interval and the fixed-split reference model (virtual clock)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.bench.interval import ratio_interval
-from gateway.bench.load import Summary
 from gateway.bench.mix import load_mix
-from gateway.bench.plots import ratio_table
-from gateway.bench.points import Point, Setup
+from gateway.bench.points import Setup
 from gateway.bench.reference import fleet_e2e, plan, render, search, sweep_ratios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,20 +37,6 @@ def test_an_empty_side_gives_no_interval() -> None:
     lo, hi = ratio_interval([], [[1.0]])
     assert lo != lo
     assert hi != hi
-
-
-def test_the_ratio_table_says_when_the_interval_straddles_the_limit() -> None:
-    def pt(policy: str, load: float, values: list[float]) -> Point:
-        p99 = sorted(values)[int(0.99 * len(values)) - 1]
-        s = Summary("all", len(values), 0, 1.0, 1.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (1.0, 1.0, p99))
-        return Point(policy, load, load, s, (), 1.0, e2e_s=tuple(values))
-
-    pts = [pt("standard", 0.5, _lognormal(300, 1.0, 1)), pt("speculative", 0.5, _lognormal(300, 3.0, 2))]
-    pts.append(pt("adaptive", 0.5, _lognormal(300, 1.05, 3)))
-    text = "\n".join(ratio_table(pts))
-    assert "| 50% | 2x standard |" in text
-    assert "no: the interval holds x1.10" in text
-    assert ratio_table([p for p in pts if p.policy != "adaptive"]) == []
 
 
 def test_the_model_replays_the_sweeps_requests_with_the_simulators_lengths() -> None:
