@@ -3,7 +3,8 @@
 Triggers (all end in ``Runtime.reload(trigger)``, which serialises them with one lock):
 
 - ``sighup``: ``kill -HUP <pid>`` of ``specgate serve`` (the handler is added to the running loop by
-  ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). With ``--workers N`` the supervisor passes the
+  ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). It runs ``Runtime.reload`` as the admin route
+  does, so the tenants file is re-read too. With ``--workers N`` the supervisor passes the
   signal on to every worker (``gateway.cli.serve.Supervisor``), each reloading in place.
 - ``admin``: ``POST /admin/reload`` (with ``--workers N``: this worker, then a SIGHUP to each sibling, answered once
   they all have the new config in force; ``gateway.runtime.workers``).
@@ -314,6 +315,8 @@ class ReloadTarget(Protocol):
 
     async def apply_overrides(self) -> Any: ...
 
+    async def reload(self, trigger: str, actor: str | None = None) -> ReloadResult: ...
+
 
 class Reloader:
     """The reload of one runtime: triggers, the serialised attempt, its metrics, log lines and audit record."""
@@ -351,6 +354,11 @@ class Reloader:
             )
             self._spawn(self.watcher.run(), "specgate-config-watch")
 
+    @property
+    def handles_sighup(self) -> bool:
+        """Whether ``start`` put the SIGHUP handler on the running loop."""
+        return self._sighup
+
     async def stop(self) -> None:
         if self._sighup:
             remove_sighup_handler()
@@ -365,8 +373,9 @@ class Reloader:
         task.add_done_callback(self._tasks.discard)
 
     def _on_sighup(self) -> None:
+        # The runtime's reload, as POST /admin/reload: the routing YAML and every other file it reloads (tenants).
         logger.info("SIGHUP: reloading the routing YAML %s", self._rt.settings.rules)
-        self._spawn(self.reload("sighup"), "specgate-config-sighup")
+        self._spawn(self._rt.reload("sighup"), "specgate-config-sighup")
 
     # -- the attempt -----------------------------------------------------------------------------------------
 

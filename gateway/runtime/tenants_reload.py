@@ -1,6 +1,6 @@
 """Hot reload of the tenants file: watched like the routing YAML (``gateway.runtime.reload.ConfigWatcher``: an
 in-place edit, an atomic rename and a Kubernetes Secret update are all seen), and re-read by every reload of the
-routing YAML through ``POST /admin/reload``.
+routing YAML through ``POST /admin/reload`` or SIGHUP.
 
 The new file is validated completely before anything changes; an invalid one is logged (every problem by its path)
 and the tenants in force keep serving. A valid one is put in force at once (``Tenancy.update``): keys, priorities,

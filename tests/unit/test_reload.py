@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,49 @@ async def test_the_watcher_task_reloads_the_runtime(rt: Runtime) -> None:
     assert [c.name for c in rt.live.rules.classes] == ["precise", "bulk", "default"]
     assert rt.reloader.last is not None
     assert rt.reloader.last.trigger == "watch"
+
+
+# -- SIGHUP ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+async def test_sighup_reloads_the_tenants_file_too(tmp_path: Path) -> None:
+    rules, tenants = tmp_path / "rules.yaml", tmp_path / "tenants.yaml"
+    _write(rules, _rules())
+    tenants.write_text("tenants:\n  - {name: a, keys: [sk-a-old-0001]}\n")
+    runtime: Runtime = create_app(Settings(rules=rules, tenants_file=tenants)).state.runtime
+    assert runtime.tenants_reloader is not None
+    assert runtime.tenancy is not None
+    runtime.reloader.watch_interval_s = 0  # no file watcher: only the signal may reload
+    runtime.reloader.start()
+    try:
+        assert runtime.reloader.handles_sighup, "the handler must be on the loop before the signal is sent"
+        tenants.write_text("tenants:\n  - {name: a, keys: [sk-a-new-0001]}\n  - {name: b, keys: [sk-b-0000001]}\n")
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(500):
+            if runtime.tenants_reloader.reloads and runtime.reloader.last is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert runtime.tenants_reloader.reloads == 1
+        assert runtime.tenancy.identify("Bearer sk-b-0000001").name == "b"
+        assert runtime.reloader.last is not None
+        assert runtime.reloader.last.trigger == "sighup"
+        tenants.write_text("tenants:\n  - {name: a, keys: [sk-a-new-0001], weight: -1}\n")
+        os.kill(os.getpid(), signal.SIGHUP)  # invalid: logged, the tenants in force stay
+        for _ in range(500):
+            if (
+                runtime.reloader.last is not None
+                and _metric(runtime, "specgate_config_reload_total", result="unchanged") == 2
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert runtime.tenants_reloader.reloads == 1
+        assert runtime.tenancy.identify("Bearer sk-b-0000001").name == "b"
+    finally:
+        await runtime.reloader.stop()
+        await runtime.tenancy.close()
+        for c in runtime.live.clients.values():
+            await c.close()
 
 
 # -- the admin routes --------------------------------------------------------------------------------------------
