@@ -20,6 +20,7 @@ from gateway.proxy.wire import JSON_CONTENT_TYPE, envelope
 logger = logging.getLogger("specgate")
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]  # a Starlette exception handler
+_LOGGED = "_specgate_logged"  # set on a bug once ``error_response`` has logged it
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -76,10 +77,11 @@ def error_response(exc: Exception, method: str, path: str, extra: Iterable[tuple
 
     The gateway's own errors as their OpenAI envelope (status and headers included); Starlette's 404 / 405 as
     ``unknown_route`` / ``method_not_allowed`` envelopes; a client gone as an empty 499 (for the log: nobody reads
-    it); anything else is a bug: logged with its traceback, and a 500 ``internal_error`` envelope that shows nothing
-    of it. The caller raises a bug again for the server, as Starlette's outermost middleware does. ``extra``: headers
-    of the gateway's own errors that the request has earned so far (``x-request-id``, the decision's); the request
-    id also ends the error's message, so a client can quote it and the operator find the log line that says more.
+    it); anything else is a bug: logged with its traceback (once, however many times it is rendered), and a 500
+    ``internal_error`` envelope that shows nothing of it. The caller raises a bug again for the server, as
+    Starlette's outermost middleware does. ``extra``: headers of the gateway's own errors that the request has
+    earned so far (``x-request-id``, the decision's); the request id also ends the error's message, so a client can
+    quote it and the operator find the log line that says more.
     """
     if isinstance(exc, HTTPException):
         err: GatewayError
@@ -97,7 +99,11 @@ def error_response(exc: Exception, method: str, path: str, extra: Iterable[tuple
         return json_response(exc.envelope(headers.get("x-request-id")), exc.status, headers)
     if isinstance(exc, ClientDisconnect):
         return Response(b"", 499)
-    logger.error("unhandled error on %s %s", method, path, exc_info=exc)
+    if not getattr(exc, _LOGGED, False):
+        # Once per bug: an exchange answers a bug and raises it again for the server, and on a route Starlette
+        # matched, Starlette's last-resort handler renders that same exception once more (its answer not sent).
+        setattr(exc, _LOGGED, True)
+        logger.error("unhandled error on %s %s", method, path, exc_info=exc)
     return json_response(envelope("internal error in the gateway", "internal_error", code="internal_error"), 500)
 
 

@@ -6,6 +6,7 @@ Tests marked ``xfail(strict=True)`` demonstrate a defect; the others pin behavio
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -164,6 +165,30 @@ async def test_unexpected_exception_before_commit_is_not_counted_ok(
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "internal_error"  # envelope, no traceback
     assert _in_flight(app) == 0
+    assert _outcomes(app) == {"gateway_error": 1}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])  # the dispatcher's table, Starlette's router
+async def test_unexpected_exception_before_commit_is_logged_once_and_answered_once(
+    app_client: tuple[Any, httpx.AsyncClient],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    app, client = app_client
+
+    async def boom(self: Any, ep: Any, path: str, body: bytes, headers: dict[str, str], **kw: Any) -> UpstreamResponse:
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(upstream_mod.PoolClient, "post", boom)
+    body = {"model": MODEL, "prompt": "hello"} if path == "/tokenize" else CODE_REQ
+    with caplog.at_level(logging.ERROR, logger="specgate"):
+        async with client:
+            r = await client.post(path, json=body)
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "internal_error"  # one response, the envelope, no traceback
+    logged = [rec for rec in caplog.records if rec.exc_info is not None and rec.exc_info[1] is not None]
+    assert [str(rec.exc_info[1]) for rec in logged if rec.exc_info] == ["unexpected"]
     assert _outcomes(app) == {"gateway_error": 1}
 
 
