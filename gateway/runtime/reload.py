@@ -4,16 +4,11 @@ Triggers (all end in ``Runtime.reload(trigger)``, which serialises them with one
 
 - ``sighup``: ``kill -HUP <pid>`` of ``specgate serve`` (the handler is added to the running loop by
   ``Runtime.start``; uvicorn owns SIGINT / SIGTERM, not SIGHUP). It runs ``Runtime.reload`` as the admin route
-  does, so the tenants file is re-read too. With ``--workers N`` the supervisor passes the
-  signal on to every worker (``gateway.cli.serve.Supervisor``), each reloading in place.
+  does, so the tenants file is re-read too. With ``--workers N`` the supervisor passes the signal on to every
+  worker (``gateway.cli.serve.Supervisor``), each reloading in place.
 - ``admin``: ``POST /admin/reload`` (with ``--workers N``: this worker, then a SIGHUP to each sibling, answered once
   they all have the new config in force; ``gateway.runtime.workers``).
-- ``watch``: ``ConfigWatcher`` polls the file every second. It compares the resolved path (``os.path.realpath``),
-  device, inode, mtime and size, so that an in-place edit, an atomic rename and a Kubernetes ConfigMap update
-  (``rules.yaml -> ..data/rules.yaml``, ``..data`` an atomically swapped symlink to a new timestamped directory) are
-  all seen; then it hashes the content and hands only a new content on. Every ``recheck_every`` polls it hashes the
-  file even when the signature did not change (a filesystem with a coarse mtime). A half-written file is handed on,
-  rejected by validation, and handed on again once complete (its size or mtime changed).
+- ``watch``: ``ConfigWatcher`` (``gateway.runtime.watch``) polls the file every second and hands on a new content.
 
 A reload reads the file, and when its hash equals the config in force answers ``unchanged`` (no swap). Otherwise
 the text goes through ``load_rules_text`` completely (YAML, schema, semantic checks; every error names its path and
@@ -22,8 +17,7 @@ line) before anything changes. Invalid: nothing changes, the last good config ke
 ``LiveConfig.build(..., previous=old)`` and one assignment ``runtime.live = new``. A request reads ``runtime.live``
 once and keeps that object (its pools and clients) to its end, so requests in flight finish under the config they
 started with. Clients (connection pools) of pools whose spec did not change are carried over; the others are
-closed by ``ClientRetirer`` only once the old pools have no request in flight (or after the pool's ``total_s``,
-which bounds every request made through that session anyway), never cutting an open stream. Then
+closed by ``ClientRetirer`` (``gateway.runtime.retire``) once nothing uses them, never cutting an open stream. Then
 ``runtime.apply_overrides()`` drops the overrides that refer to pools or classes the new config removed; they are
 reported in the result and the log. Every attempt is an audit record and sets ``specgate_config_info``.
 """
@@ -35,23 +29,21 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from gateway.config.loader import ConfigIssue, RulesError, load_rules_text
 from gateway.config.settings import Settings
-from gateway.fleet.pools import PoolState
-from gateway.fleet.upstream import PoolClient
 from gateway.observability.metrics import GatewayMetrics
 from gateway.overrides.audit import AuditRecord
 from gateway.overrides.manager import OverrideManager
-from gateway.periodic import cancel_and_wait, run_every
+from gateway.periodic import cancel_and_wait
 from gateway.runtime.live import LiveConfig, config_digest
+from gateway.runtime.retire import ClientRetirer
+from gateway.runtime.watch import ConfigWatcher, read_config
 
 logger = logging.getLogger("specgate")
 
@@ -62,19 +54,6 @@ RESULTS: tuple[ReloadOutcome, ...] = ("ok", "unchanged", "invalid", "error")
 def default_actor(trigger: str) -> str:
     """The audit actor of a reload nobody named: ``signal`` (SIGHUP), ``watcher``, else the trigger itself."""
     return {"sighup": "signal", "watch": "watcher"}.get(trigger, trigger)
-
-
-def read_config(path: str | os.PathLike[str]) -> str:
-    """The file's text (UTF-8, a BOM dropped); raises ``RulesError`` naming the file when it cannot be read."""
-    source = os.fspath(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise RulesError([ConfigIssue("", f"cannot read the file: {exc.strerror or exc}")], source) from exc
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise RulesError([ConfigIssue("", f"the file is not UTF-8 text: {exc.reason}")], source) from exc
 
 
 def issue_dict(issue: ConfigIssue) -> dict[str, Any]:
@@ -137,146 +116,6 @@ class ReloadResult:
         n = len(self.issues)
         errors = f"{n} error{'s' if n != 1 else ''}"
         return f"{self.source}: the routing YAML was rejected ({errors}; the config in force is unchanged): {listed}"
-
-
-# ---------------------------------------------------------------------------------------------- the watcher
-
-
-@dataclass(frozen=True, slots=True)
-class FileSignature:
-    """What changes when the file is edited in place, replaced by a rename, or swapped behind symlinks."""
-
-    realpath: str
-    device: int
-    inode: int
-    mtime_ns: int
-    size: int
-
-
-def file_signature(path: str | os.PathLike[str]) -> FileSignature | None:
-    """The signature of the file ``path`` resolves to now; None when it does not exist (mid-swap, deleted)."""
-    try:
-        st = os.stat(path)  # follows symlinks: the file a ConfigMap's ``..data`` points at now
-        real = os.path.realpath(path)
-    except OSError:
-        return None
-    return FileSignature(real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-class ConfigWatcher:
-    """Polls one file; ``poll()`` answers True when its content differs from what was seen or is in force."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        on_change: Callable[[], Awaitable[object]],
-        current_digest: Callable[[], str],
-        *,
-        interval_s: float = 1.0,
-        recheck_every: int = 10,
-    ) -> None:
-        self.path = os.fspath(path)
-        self._on_change = on_change
-        self._current = current_digest
-        self.interval_s = interval_s
-        self._recheck_every = max(1, recheck_every)
-        self._signature: FileSignature | None = None  # None first: the first poll compares with the config in force
-        self._seen: str | None = None  # the hash last handed on
-        self._polls = 0
-        self.changes = 0  # contents handed on
-
-    def poll(self) -> bool:
-        """One look at the file (blocking I/O: stat, and a read when the signature changed)."""
-        self._polls += 1
-        sig = file_signature(self.path)
-        if sig is None:
-            self._signature = None  # gone for now: its return is a change
-            return False
-        if sig == self._signature and self._polls % self._recheck_every != 0:
-            return False
-        try:
-            text = read_config(self.path)
-        except RulesError:
-            return False  # vanished between stat and read (a swap): the next poll sees the new one
-        self._signature = sig
-        digest = config_digest(text)
-        if digest == self._seen or digest == self._current():
-            self._seen = digest
-            return False
-        self._seen = digest
-        self.changes += 1
-        return True
-
-    async def run(self) -> None:
-        await run_every(
-            self._poll_once,
-            lambda: self.interval_s,
-            what=f"config watcher: polling {self.path}",
-            log=logger,
-            sleep_first=True,
-        )
-
-    async def _poll_once(self) -> None:
-        if await asyncio.to_thread(self.poll):
-            await self._on_change()
-
-
-# ---------------------------------------------------------------------------------------------- old clients
-
-
-class ClientRetirer:
-    """Closes the clients of a replaced config once nothing uses them (``close_all`` at shutdown)."""
-
-    def __init__(self, *, min_grace_s: float = 2.0, check_s: float = 0.5, margin_s: float = 5.0) -> None:
-        self.min_grace_s = min_grace_s  # covers a request that read the old config but has not counted itself yet
-        self.check_s = check_s
-        self.margin_s = margin_s
-        self._pending: set[PoolClient] = set()
-        self._closed: set[PoolClient] = set()  # retired and closed once; closed again at shutdown
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def retire(self, clients: Collection[PoolClient], pools: Mapping[str, PoolState]) -> None:
-        """``clients``: those the new config no longer uses; ``pools``: the old config's pools (in-flight counts)."""
-        if not clients:
-            return
-        self._pending.update(clients)
-        task = asyncio.create_task(self._close_when_idle(list(clients), pools), name="specgate-retire-clients")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
-    async def _close_when_idle(self, clients: list[PoolClient], pools: Mapping[str, PoolState]) -> None:
-        # The session's total timeout bounds every request made through it: past it, closing cuts nothing.
-        limit = max(c.spec.timeouts.total_s for c in clients) + self.margin_s
-        names = {c.spec.name for c in clients}
-        started = time.monotonic()
-        await asyncio.sleep(self.min_grace_s)
-        # Conservative: endpoints carried over to the new config share their in-flight counters with it.
-        while time.monotonic() - started < limit:
-            if not any(pools[n].in_flight for n in names if n in pools):
-                break
-            await asyncio.sleep(self.check_s)
-        for c in clients:
-            await self._close(c)
-
-    async def _close(self, client: PoolClient) -> None:
-        # Kept in _closed: a request of a kept pool falling back onto a retired one may reopen its session, and
-        # close_all closes it again at shutdown (closing twice is harmless).
-        self._pending.discard(client)
-        self._closed.add(client)
-        try:
-            await client.close()
-        except Exception:
-            logger.exception("closing the client of the replaced pool %s failed", client.spec.name)
-
-    async def close_all(self) -> None:
-        """Shutdown: stop waiting and close every retired client (a straggler may have reopened its session)."""
-        await cancel_and_wait(self._tasks)
-        for c in list(self._pending | self._closed):
-            await self._close(c)
 
 
 # ---------------------------------------------------------------------------------------------- SIGHUP

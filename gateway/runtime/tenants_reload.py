@@ -1,4 +1,4 @@
-"""Hot reload of the tenants file: watched like the routing YAML (``gateway.runtime.reload.ConfigWatcher``: an
+"""Hot reload of the tenants file: watched like the routing YAML (``gateway.runtime.watch.ConfigWatcher``: an
 in-place edit, an atomic rename and a Kubernetes Secret update are all seen), and re-read by every reload of the
 routing YAML through ``POST /admin/reload`` or SIGHUP.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from gateway.config.tenants import TenantsError, load_tenants_text
 from gateway.runtime.live import config_digest
-from gateway.runtime.reload import ConfigWatcher
 from gateway.runtime.tenants import Tenancy
+from gateway.runtime.watch import ConfigWatcher
 
 logger = logging.getLogger("specgate")
 

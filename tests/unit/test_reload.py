@@ -1,4 +1,5 @@
-"""Hot reload (gateway.runtime.reload): the watcher's change detection, Runtime.reload's results, the admin routes."""
+"""Hot reload (gateway.runtime.reload, .watch): the watcher's change detection, Runtime.reload's results, the admin
+routes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gateway.config.settings import Settings
 from gateway.proxy.app import create_app
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig, config_digest
-from gateway.runtime.reload import ConfigWatcher, file_signature
+from gateway.runtime.watch import ConfigWatcher, file_signature
 from tests.conftest import rules_for
 
 TOKEN = "reload-test-token"
