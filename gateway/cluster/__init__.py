@@ -4,5 +4,7 @@
 - ``snapshot``: the fleet snapshot the leader publishes (endpoint health and ejections, pool loads, class shares)
   and how a follower applies it.
 - ``node``: one replica's side: its role (leader / follower / local), publishing and following the snapshot, and
-  the shared in-flight and per-class counts.
+  writing and reading the shared counts.
+- ``counts``: the shared counts themselves: what one replica contributes (in-flight per endpoint, per-class counts,
+  its own ejections), the checks a contribution read back passes, the sums of the others'.
 """

@@ -22,7 +22,8 @@ Keys share one hash tag (``specgate:{fleet}:…``) so they live on one Redis Clu
 
 What is read back is checked (``on_rejected`` counts what is ignored): a snapshot larger than
 ``snapshot.MAX_SNAPSHOT_BYTES`` is not read past that size, one that is not a JSON object is dropped; a
-contribution larger than ``MAX_CONTRIBUTION_BYTES`` or with counts out of range (``_contribution``) is left out.
+contribution larger than ``counts.MAX_CONTRIBUTION_BYTES`` or with counts out of range (``parse_contribution``) is
+left out.
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -44,6 +43,13 @@ from prometheus_client import CollectorRegistry, Gauge
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.cluster.counts import (
+    Contribution,
+    class_count_sum,
+    in_flight_sum,
+    longest_ejections,
+    parse_contribution,
+)
 from gateway.cluster.lease import LeaderLease
 from gateway.cluster.snapshot import MAX_SNAPSHOT_BYTES
 from gateway.periodic import cancel_and_wait, raise_if_cancelled, run_every
@@ -54,24 +60,11 @@ logger = logging.getLogger("specgate.cluster")
 Role = Literal["leader", "follower", "local"]
 ROLES: tuple[Role, ...] = ("leader", "follower", "local")
 DEFAULT_PREFIX = "specgate:{fleet}:"
-MAX_CONTRIBUTION_BYTES = 256 * 1024  # one replica's counts: a few hundred endpoints and classes
-MAX_IN_FLIGHT = 1_000_000  # a replica's in-flight requests on one endpoint, past any real pool's connection cap
-MAX_LEFT_S = 86_400.0  # a shared ejection's time left (the YAML's max_ejection_s caps it again when applied)
 
 
 def replica_id() -> str:
     """A name for this process in the cluster: host, pid and a random tail (a restarted pod is a new replica)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass(slots=True)
-class Contribution:
-    """What one replica last wrote: its wall-clock time, in-flight per ``pool/endpoint``, counts per class."""
-
-    at: float
-    in_flight: dict[str, int] = field(default_factory=dict)
-    classes: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # requests, drafted, accepted
-    ejected: dict[str, float] = field(default_factory=dict)  # its own passive ejections: seconds left
 
 
 class ClusterNode:
@@ -215,11 +208,7 @@ class ClusterNode:
 
     def remote_in_flight(self) -> dict[str, int]:
         """The other replicas' in-flight requests per ``pool/endpoint``."""
-        out: dict[str, int] = {}
-        for c in self.others.values():
-            for key, n in c.in_flight.items():
-                out[key] = out.get(key, 0) + n
-        return out
+        return in_flight_sum(self.others.values())
 
     def counts_fresh(self) -> bool:
         """The shared counts were read within ``contribution_ttl_s``: the others' in-flight counts are known."""
@@ -227,20 +216,11 @@ class ClusterNode:
 
     def remote_ejections(self) -> dict[str, float]:
         """The other replicas' own ejections per ``pool/endpoint``: the longest time left."""
-        out: dict[str, float] = {}
-        for c in self.others.values():
-            for key, left in c.ejected.items():
-                out[key] = max(left, out.get(key, 0.0))
-        return out
+        return longest_ejections(self.others.values())
 
     def remote_class_counts(self) -> dict[str, tuple[float, float, float]]:
         """The other replicas' cumulative (requests, draft tokens, accepted tokens) per class."""
-        out: dict[str, tuple[float, float, float]] = {}
-        for c in self.others.values():
-            for name, (r, d, a) in c.classes.items():
-                r0, d0, a0 = out.get(name, (0.0, 0.0, 0.0))
-                out[name] = (r0 + r, d0 + d, a0 + a)
-        return out
+        return class_count_sum(self.others.values())
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -368,7 +348,7 @@ class ClusterNode:
         """Write this replica's counts and read everyone's, in one round trip."""
         own = self._own_counts()
         own.at = time.time()
-        raw = orjson.dumps({"at": own.at, "in_flight": own.in_flight, "classes": own.classes, "ejected": own.ejected})
+        raw = own.encode()
         ttl_ms = max(1, round(self.contribution_ttl_s * 5 * 1000))
         try:
             async with self._client.pipeline(transaction=False) as pipe:
@@ -388,7 +368,7 @@ class ClusterNode:
             name = key.decode() if isinstance(key, bytes) else key
             if name == self.replica:
                 continue
-            c = _contribution(value)
+            c = parse_contribution(value)
             if c is None:
                 self._reject("contribution", f"the counts of {name[:80]!r} are malformed, too large or out of range")
                 stale.append(name)
@@ -421,28 +401,6 @@ def _quiet(step: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[None
 
 def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
-
-
-def _contribution(raw: bytes | str) -> Contribution | None:
-    """One replica's counts, or None when they are malformed, too large, or out of range (a count that would make
-    the fleet look saturated, a negative or endless ejection)."""
-    if len(raw) > MAX_CONTRIBUTION_BYTES:
-        return None
-    try:
-        d = orjson.loads(raw)
-        at = float(d["at"])
-        in_flight = {str(k): int(v) for k, v in d.get("in_flight", {}).items() if int(v) > 0}
-        classes = {str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in d.get("classes", {}).items()}
-        ejected = {str(k): float(v) for k, v in d.get("ejected", {}).items() if float(v) > 0}
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError):
-        return None
-    if not math.isfinite(at) or any(n > MAX_IN_FLIGHT for n in in_flight.values()):
-        return None
-    if any(not (math.isfinite(x) and x >= 0) for v in classes.values() for x in v):
-        return None
-    if any(not (math.isfinite(x) and x <= MAX_LEFT_S) for x in ejected.values()):
-        return None
-    return Contribution(at, in_flight, classes, ejected)
 
 
 def connect(redis_url: str) -> tuple[aioredis.Redis, aioredis.Redis]:

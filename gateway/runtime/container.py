@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cluster import snapshot as cluster_snapshot
-from gateway.cluster.node import ClusterNode, Contribution, connect, replica_id
+from gateway.cluster.counts import Contribution
+from gateway.cluster.node import ClusterNode, connect, replica_id
 from gateway.config.loader import load_rules_text
 from gateway.config.settings import Settings
 from gateway.config.tenants import load_tenants_file
