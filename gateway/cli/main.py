@@ -22,7 +22,7 @@ from gateway.cli.console import fail as _fail
 from gateway.cli.options import settings_command
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.config.settings import Settings
-from gateway.sim.server import sim_command
+from gateway.sim.command import sim_command
 
 # The fields of ``Settings`` that ``specgate epp`` shares with ``serve``, and what it means differently by them.
 EPP_SETTINGS = (

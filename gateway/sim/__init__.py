@@ -10,7 +10,8 @@
   ``SimState``) and ``call`` (one generation request).
 - ``responses``: the Responses API (``/v1/responses``, retrieve, cancel, the in-process response store).
 - ``tracing``: vLLM's ``llm_request`` OpenTelemetry span per request (``--otlp-traces-endpoint``).
-- ``server`` / ``tuning``: running it (``SimServer``, ``specgate sim``) and the physics/acceptance overrides by name.
+- ``server`` / ``command`` / ``tuning``: running it (``SimServer``), the ``specgate sim`` command, and the
+  physics/acceptance overrides by name.
 
 It shares nothing with the proxy but utilities.
 """

@@ -385,7 +385,7 @@ async def test_fault_draws_and_listening() -> None:
 def test_physics_and_acceptance_overrides() -> None:
     from gateway.sim.physics import AcceptanceModel
     from gateway.sim.presets import get_preset
-    from gateway.sim.server import acceptance_model, physics_options
+    from gateway.sim.tuning import acceptance_model, physics_options
 
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     out = physics_options("llama8b-h100", spec, {"delta_s": 0.01, "draft_delta_s": 0.002, "kv_cache_tokens": 1000})
@@ -416,7 +416,7 @@ def test_sim_command_help_documents_every_flag() -> None:
     import typer
     from typer.testing import CliRunner
 
-    from gateway.sim.server import sim_command
+    from gateway.sim.command import sim_command
 
     app = typer.Typer()
     app.callback()(lambda: None)
