@@ -30,8 +30,8 @@ def report_weekly_cmd(
     import json
 
     from gateway.report import weekly_report
+    from gateway.report.markdown import render_markdown
     from gateway.report.promql import PromError
-    from gateway.report.weekly import render_markdown
 
     if output_format not in ("markdown", "json"):
         raise _fail("--format must be markdown or json")

@@ -1,4 +1,10 @@
-"""Operators' reports from Prometheus (``specgate report …``): the weekly speculative-decoding check (``weekly``)."""
+"""Operators' reports from Prometheus (``specgate report …``): the weekly speculative-decoding check.
+
+- ``promql``: the Prometheus client and query helpers.
+- ``weekly``: the queries and the report they make (``collect``).
+- ``recommend``: the report's recommendations against the thresholds (``Thresholds``).
+- ``markdown``: the report as Markdown.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.report.promql import PromClient, parse_duration
-from gateway.report.weekly import Thresholds, collect, default_window_s, load_baseline
+from gateway.report.recommend import Thresholds
+from gateway.report.weekly import collect, default_window_s, load_baseline
 
 
 def weekly_report(

@@ -19,15 +19,16 @@ the min/max are taken over, default ``min(5m, range/10)``):
   ``locked``): ``fallback_count``. Every transition is listed by class/from/to/reason, and the gateway's pool
   fallbacks (``specgate_fallbacks_total``: retries on another pool before the first byte) separately.
 
-Recommendations quote common speculative-decoding thresholds (``Thresholds``). Missing data is ``null`` in JSON and
-"no data" in markdown, and never triggers a recommendation.
+Recommendations (``gateway.report.recommend``) quote common speculative-decoding thresholds (``Thresholds``). Missing
+data is ``null`` in JSON and "no data" in markdown (``gateway.report.markdown``), and never triggers a
+recommendation.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from gateway.report.promql import (
     format_duration,
     ratio_stats,
 )
+from gateway.report.recommend import Thresholds, recommend
 
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
@@ -46,19 +48,6 @@ CLASS_ACCEPTED = "specgate_class_accepted_draft_tokens_total"
 CLASS_DRAFTED = "specgate_class_draft_tokens_total"
 DURATION_BUCKETS = 'specgate_request_duration_seconds_bucket{pool!="none"}'
 GUARD_REASONS = ("acceptance_floor", "latency_regression", "locked")
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """The thresholds of the recommendations (the same as the alert rules' where they overlap)."""
-
-    accept_critical: float = 0.3  # CriticalAcceptRatio: < 0.3 → switch to standard decoding now
-    accept_low: float = 0.5  # LowAcceptRatio, troubleshooting 1: < 0.5 → replace the draft or disable SD
-    accept_review: float = 0.55  # rule of thumb: < 0.55 → replace the draft model or train an EAGLE-3 head
-    accept_guard: float = 0.4  # FallbackConfig.accept_ratio_threshold: the automatic fallback's floor
-    min_speedup: float = 1.3  # rule of thumb: E2E p50 speedup < 1.3x → reconsider cost-effectiveness
-    latency_regression_pct: float = 20.0  # p95 > 20% worse than the baseline → fall back
-    max_fallbacks: int = 5  # more than 5 fallbacks a week → check the draft model's quality
 
 
 def load_baseline(path: Path) -> dict[str, Any]:
@@ -213,241 +202,6 @@ def collect(
     report["recommendations"] = recommend(report, th)
     report["queries"] = list(client.queries)
     return report
-
-
-def _rec(severity: str, scope: str, target: str, message: str) -> dict[str, str]:
-    return {"severity": severity, "scope": scope, "target": target, "message": message}
-
-
-def _acceptance_recs(scope: str, target: str, accept: dict[str, Any], th: Thresholds, win: str) -> list[dict[str, str]]:
-    avg, low = accept.get("current_avg"), accept.get("min")
-    where = f"{scope} {target}"
-    fix = "route the class to the standard pool" if scope == "class" else "disable speculative decoding on it"
-    if avg is None:
-        return []
-    if avg < th.accept_critical:
-        return [
-            _rec(
-                "critical",
-                scope,
-                target,
-                f"acceptance {avg:.2f} < {th.accept_critical} ("
-                f"CriticalAcceptRatio): switch {where} to standard decoding now ({fix})",
-            )
-        ]
-    if avg < th.accept_low:
-        return [
-            _rec(
-                "warning",
-                scope,
-                target,
-                f"acceptance {avg:.2f} < {th.accept_low} (LowAcceptRatio: "
-                f"speculation costs more than it saves): replace the draft model or {fix}",
-            )
-        ]
-    out = []
-    if avg < th.accept_review:
-        out.append(
-            _rec(
-                "warning",
-                scope,
-                target,
-                f"acceptance {avg:.2f} < {th.accept_review}: replace the draft model or train an EAGLE-3 head",
-            )
-        )
-    if low is not None and low < th.accept_guard:
-        out.append(
-            _rec(
-                "info",
-                scope,
-                target,
-                f"acceptance fell to {low:.2f} in a {win} window, below the automatic "
-                f"fallback floor {th.accept_guard}: check which traffic drove it down",
-            )
-        )
-    return out
-
-
-def _speed_recs(scope: str, target: str, p50: Any, p95_reg: Any, th: Thresholds) -> list[dict[str, str]]:
-    out = []
-    if p50 is not None and p50 < th.min_speedup:
-        out.append(
-            _rec(
-                "warning",
-                scope,
-                target,
-                f"E2E p50 speedup {p50:.2f}x < {th.min_speedup}x against the baseline "
-                ": reconsider whether speculative decoding pays for itself here",
-            )
-        )
-    if p95_reg is not None and p95_reg > th.latency_regression_pct:
-        out.append(
-            _rec(
-                "critical",
-                scope,
-                target,
-                f"E2E p95 is {p95_reg:.0f}% worse than the baseline (> "
-                f"{th.latency_regression_pct:.0f}%): the fallback criterion is met; move it to standard",
-            )
-        )
-    return out
-
-
-def recommend(report: dict[str, Any], th: Thresholds) -> list[dict[str, str]]:
-    """The rules of thumb applied to a report; a number that is missing never triggers one."""
-    win = str(report.get("window", ""))
-    recs: list[dict[str, str]] = []
-    for pool in report["pools"]:
-        recs += _acceptance_recs("pool", pool["pool"], pool["accept_ratio"], th, win)
-    for cls in report["classes"]:
-        recs += _acceptance_recs("class", cls["class"], cls["accept_ratio"], th, win)
-        if cls["accept_ratio"]["current_avg"] is not None:  # only classes that ran on a speculative pool
-            recs += _speed_recs("class", cls["class"], cls["e2e_p50_speedup"], cls["e2e_p95_regression_pct"], th)
-        if (cls["fallback_count"] or 0) > th.max_fallbacks:
-            recs.append(
-                _rec(
-                    "warning",
-                    "class",
-                    cls["class"],
-                    f"{cls['fallback_count']} automatic fallbacks (> "
-                    f"{th.max_fallbacks} a week): check the draft model's quality for this traffic",
-                )
-            )
-    sp = report["speedup"]
-    recs += _speed_recs("overall", "all", sp["e2e_p50_speedup"], sp["e2e_p95_regression_pct"], th)
-    failed: dict[str, int] = {}
-    for f in report["pool_fallbacks"] or []:
-        failed[f["from_pool"]] = failed.get(f["from_pool"], 0) + int(f["count"])
-    for pool, n in sorted(failed.items()):
-        if n > th.max_fallbacks:
-            recs.append(
-                _rec(
-                    "warning",
-                    "pool",
-                    pool,
-                    f"{n} requests fell back to another pool before the first byte "
-                    f"(> {th.max_fallbacks}): check the pool's health and timeouts",
-                )
-            )
-    if not any(p["accept_ratio"]["current_avg"] is not None for p in report["pools"]):
-        recs.append(
-            _rec(
-                "info",
-                "overall",
-                "all",
-                "no pool acceptance data: are the speculative vLLM servers scraped, "
-                "with a `pool` target label, and did they draft in the range?",
-            )
-        )
-    if sp["current_e2e_p50_ms"] is None:
-        recs.append(_rec("info", "overall", "all", "no gateway latency data: is the gateway scraped?"))
-    return recs
-
-
-def _fmt(value: Any, suffix: str = "", digits: int = 2) -> str:
-    if value is None:
-        return "no data"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}{suffix}"
-    return f"{value}{suffix}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    sp = report["speedup"]
-    lines = [
-        f"# Speculative decoding weekly report — {report['report_date']}",
-        "",
-        f"Range: {report['period']} (min/max over {report['window']} windows), Prometheus {report['prometheus']}.",
-        "",
-        "## Acceptance per pool (accepted / draft tokens)",
-        "",
-    ]
-    acc = report["accept_ratio"]
-    rows = [
-        [p["pool"]] + [_fmt(p["accept_ratio"][k], digits=3) for k in ("current_avg", "min", "max")]
-        for p in report["pools"]
-    ]
-    rows.append(["**all**"] + [_fmt(acc[k], digits=3) for k in ("current_avg", "min", "max")])
-    lines += _table(["pool", "avg", "min", "max"], rows)
-    lines += ["", "## Per traffic class", ""]
-    rows = [
-        [
-            c["class"],
-            _fmt(c["requests"]),
-            *(_fmt(c["accept_ratio"][k], digits=3) for k in ("current_avg", "min", "max")),
-            _fmt(c["current_e2e_p50_ms"], " ms", 1),
-            _fmt(c["current_e2e_p95_ms"], " ms", 1),
-            _fmt(c["e2e_p50_speedup"], "x"),
-            _fmt(c["e2e_p95_speedup"], "x"),
-            _fmt(c["fallback_count"]),
-        ]
-        for c in report["classes"]
-    ]
-    lines += _table(
-        [
-            "class",
-            "requests",
-            "accept avg",
-            "min",
-            "max",
-            "E2E p50",
-            "E2E p95",
-            "speedup p50",
-            "speedup p95",
-            "fallbacks",
-        ],
-        rows or [["no data"] + [""] * 9],
-    )
-    lines += [
-        "",
-        "## E2E speedup against the baseline (all classes)",
-        "",
-        *_table(
-            ["", "baseline", "current", "speedup"],
-            [
-                [
-                    "p50",
-                    _fmt(sp["baseline_e2e_p50_ms"], " ms", 1),
-                    _fmt(sp["current_e2e_p50_ms"], " ms", 1),
-                    _fmt(sp["e2e_p50_speedup"], "x"),
-                ],
-                [
-                    "p95",
-                    _fmt(sp["baseline_e2e_p95_ms"], " ms", 1),
-                    _fmt(sp["current_e2e_p95_ms"], " ms", 1),
-                    _fmt(sp["e2e_p95_speedup"], "x"),
-                ],
-            ],
-        ),
-        "",
-        f"## Controller transitions: {_fmt(report['controller_transition_total'])} "
-        f"(automatic fallbacks: {_fmt(report['fallback_count'])})",
-        "",
-    ]
-    trans = report["controller_transitions"] or []
-    if trans:
-        lines += _table(
-            ["class", "from", "to", "reason", "count"],
-            [[t["class"], t["from"], t["to"], t["reason"], str(t["count"])] for t in trans],
-        )
-        lines.append("")
-    lines += [f"## Pool fallbacks (before the first byte): {_fmt(report['pool_fallback_total'])}", ""]
-    fbs = report["pool_fallbacks"] or []
-    if fbs:
-        lines += _table(
-            ["class", "from", "to", "reason", "count"],
-            [[f["class"], f["from_pool"], f["to_pool"], f["reason"], str(f["count"])] for f in fbs],
-        )
-        lines.append("")
-    lines += ["## Recommendations", ""]
-    recs = report["recommendations"]
-    lines += [f"- **{r['severity']}** {r['scope']} `{r['target']}`: {r['message']}" for r in recs] or ["- none"]
-    return "\n".join(lines) + "\n"
 
 
 def default_window_s(range_s: float) -> float:

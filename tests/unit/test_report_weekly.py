@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from gateway.bench.baseline import Result, percentile, summarise
+from gateway.report.markdown import render_markdown
 from gateway.report.promql import PromClient, PromError, format_duration, parse_duration, parse_vector
-from gateway.report.weekly import Thresholds, collect, load_baseline, recommend, render_markdown
+from gateway.report.recommend import Thresholds, recommend
+from gateway.report.weekly import collect, load_baseline
 
 Series = list[tuple[dict[str, str], float | str]]
 BASELINE = {"e2e_p50_ms": 500.0, "e2e_p95_ms": 1000.0}
