@@ -6,8 +6,8 @@
 - ``serve``: running ``specgate serve``: uvicorn with the client and admin listeners in one loop, or N workers.
 - ``epp``: running ``specgate epp``: the Endpoint Picker with its admin and probe listeners.
 - ``demo``: ``specgate demo``: the gateway in front of local simulated pools.
-- ``admin`` / ``render`` / ``tables``: the on-call commands (pools, weight, drain, force, overrides, audit, reload,
-  explain) and their tables.
+- ``admin`` / ``tables``: the on-call commands (pools, weight, drain, force, overrides, audit, reload) and their
+  tables; ``explain`` / ``render``: ``specgate explain`` and its tables.
 - ``bench`` / ``bench_sweeps``: ``specgate bench …``; ``report``: ``specgate report …``.
 - ``console``: the two consoles, ``fail``, and ``Command`` (a command as it is registered).
 """

@@ -1,24 +1,20 @@
-"""The admin CLI: ``specgate pools | weight | drain | undrain | force | overrides | audit | reload | explain``.
+"""The on-call CLI: ``specgate pools | weight | drain | undrain | force | overrides | audit | reload``.
 
 Every command talks to a running gateway's admin API (``--url``, default ``SPECGATE_ADMIN_URL`` or
 http://127.0.0.1:8081); the admin token comes from ``SPECGATE_ADMIN_TOKEN`` (never a flag, so it does not show in
 ``ps``). The HTTP side and the exit codes are in ``gateway.admin.client``: 0 ok; 1 the admin API refused or failed
 the operation (its message is printed); 2 a usage error or the admin API cannot be reached; 3 authentication failed.
 
-``specgate explain FILE`` (older than the others) keeps its own exit codes: an authentication failure is 1 there.
-FILE holds the request body exactly as a client would POST it (``-``: standard input).
+``specgate explain FILE`` is ``gateway.cli.explain``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any
 
-import httpx
 import orjson
 import typer
 from rich.console import Console
@@ -27,94 +23,10 @@ from rich.table import Table
 
 from gateway.admin import client as ac
 from gateway.admin.client import Call
-from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, EXPLAIN_DEFAULT_PATH, TOKEN_ENV, URL_ENV
-from gateway.cli.console import Command
-from gateway.cli.render import cell, render
+from gateway.admin.protocol import ACTOR_ENV, DEFAULT_URL, TOKEN_ENV, URL_ENV
+from gateway.cli.console import Command, fail
+from gateway.cli.render import cell
 from gateway.cli.tables import Column, fit_table
-
-
-def _fail(err: Console, message: str, code: int) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def _headers(pairs: list[str], err: Console) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        if not sep or not name.strip():
-            raise _fail(err, f"--header {pair!r}: expected NAME:VALUE (e.g. 'X-Task-Type: code')", 2)
-        out[name.strip()] = value.strip()
-    return out
-
-
-def _read(file: Path, err: Console) -> bytes:
-    if str(file) == "-":
-        return sys.stdin.buffer.read()
-    try:
-        return file.read_bytes()
-    except OSError as exc:
-        raise _fail(err, f"cannot read {file}: {exc.strerror or exc}", 2) from exc
-
-
-def fetch_explanation(
-    url: str, path: str, body: bytes, headers: dict[str, str], token: str | None, timeout_s: float
-) -> httpx.Response:
-    sent = {"content-type": "application/json", **headers}
-    if token:
-        sent["authorization"] = f"Bearer {token}"
-    return httpx.post(
-        url.rstrip("/") + "/admin/explain", params={"path": path}, content=body, headers=sent, timeout=timeout_s
-    )
-
-
-def explain_command(
-    file: Annotated[Path, typer.Argument(help="JSON request body, as a client would send it ('-': stdin).")],
-    url: Annotated[str, typer.Option(envvar="SPECGATE_ADMIN_URL", help="The gateway's admin API.")] = DEFAULT_URL,
-    path: Annotated[str, typer.Option(help="The client path the request would go to.")] = EXPLAIN_DEFAULT_PATH,
-    header: Annotated[
-        list[str] | None,
-        typer.Option("--header", "-H", help="A request header, NAME:VALUE (e.g. 'X-Task-Type: code'); repeatable."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the admin API's raw JSON.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the admin API.")] = 10.0,
-) -> None:
-    """Why a request would go where it goes: class, controller state, live pool numbers, and the attempt plan.
-    Sends nothing to any model server. Token: SPECGATE_ADMIN_TOKEN."""
-    out, err = Console(), Console(stderr=True)
-    headers = _headers(header or [], err)
-    body = _read(file, err)
-    token = os.environ.get(TOKEN_ENV, "").strip() or None
-    try:
-        r = fetch_explanation(url, path, body, headers, token, timeout)
-    except httpx.InvalidURL as exc:
-        raise _fail(err, f"bad --url {url!r}: {exc}", 2) from exc
-    except httpx.HTTPError as exc:
-        raise _fail(
-            err,
-            f"cannot reach the admin API at {url}: {exc or type(exc).__name__}. "
-            "Is the gateway running with --admin-port? Check --url.",
-            2,
-        ) from exc
-    try:
-        data = orjson.loads(r.content)
-    except orjson.JSONDecodeError:
-        data = None
-    if r.status_code >= 400:
-        e = data.get("error") if isinstance(data, dict) else None
-        message = e.get("message") if isinstance(e, dict) else r.text[:300] or f"HTTP {r.status_code}"
-        hint = ""
-        if r.status_code == 401:
-            hint = f" (set {TOKEN_ENV} to the gateway's admin token)" if token is None else f" (check {TOKEN_ENV})"
-        code = 3 if r.status_code in (401, 403) else 1  # the same exit codes as the other admin commands
-        raise _fail(err, f"the admin API answered {r.status_code}: {message}{hint}", code)
-    if not isinstance(data, dict):
-        raise _fail(err, f"{url} did not answer like a specgate admin API (check --url)", 2)
-    if as_json:
-        typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
-        return
-    render(data, out)
-
 
 # --- pools, weight, drain, undrain, force, overrides, audit, reload -------------------------------------------
 
@@ -152,7 +64,7 @@ def _run(
     try:
         call = build()
     except ValueError as exc:
-        raise _fail(err, str(exc), ac.EXIT_USAGE) from exc
+        raise fail(str(exc), ac.EXIT_USAGE) from exc
     try:
         data = _client(url, timeout).send(call)
     except ac.AdminFailure as f:
@@ -160,8 +72,8 @@ def _run(
             _dump(f.data)
         details = ac.error_details(f.data) if f.exit_code == ac.EXIT_REFUSED else []
         if not details:
-            raise _fail(err, f.message, f.exit_code) from f
-        _fail(err, f"the admin API answered {f.status} with {len(details)} error(s) (nothing was changed):", 0)
+            raise fail(f.message, f.exit_code) from f
+        fail(f"the admin API answered {f.status} with {len(details)} error(s) (nothing was changed):", 0)
         for line in details:
             err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(f.exit_code) from f
@@ -347,7 +259,7 @@ def overrides_command(
 ) -> None:
     if remove is not None:
         if reason is None:
-            raise _fail(Console(stderr=True), "--remove needs --reason: say why, for the audit log", ac.EXIT_USAGE)
+            raise fail("--remove needs --reason: say why, for the audit log", ac.EXIT_USAGE)
         _run(url, timeout, lambda: ac.remove_override_call(remove, reason), as_json, _print_change)
     else:
         _run(url, timeout, lambda: ac.get_call("/admin/overrides"), as_json, _print_overrides)
@@ -429,7 +341,6 @@ def _on_call(name: str, run: Callable[..., None], help_text: str, numbers_are_ar
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("explain", explain_command, "Why a request would go where it goes: asks a running gateway's admin API."),
     _on_call("pools", pools_command, "Pools and endpoints: health, configured and effective weights, in-flight, load."),
     _on_call(
         "weight",

@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from gateway import __version__
-from gateway.cli import admin, bench, report
+from gateway.cli import admin, bench, explain, report
 from gateway.cli.console import Command, err, out
 from gateway.cli.console import fail as _fail
 from gateway.cli.options import settings_command
@@ -182,7 +182,7 @@ def build() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     top.callback()(_main)
-    groups: list[tuple[typer.Typer, Sequence[Command]]] = [(top, COMMANDS + admin.COMMANDS)]
+    groups: list[tuple[typer.Typer, Sequence[Command]]] = [(top, COMMANDS + explain.COMMANDS + admin.COMMANDS)]
     for name, help_text, listed in SUBGROUPS:
         group = typer.Typer(help=help_text, no_args_is_help=True)
         top.add_typer(group, name=name)
