@@ -2,7 +2,8 @@
 
 - ``app``: the admin Starlette app: read routes (pools, classes, overrides, audit, config, explain), token check.
 - ``changes``: the routes that change routing (weights, drains, forced classes, removals, reload), each audited.
-- ``openapi``: the OpenAPI 3.1 description served at ``/admin/openapi.json``.
+- ``openapi``: the OpenAPI 3.1 description served at ``/admin/openapi.json``; ``openapi_schemas``: its body
+  schemas and error answers.
 - ``explain``: what the gateway would do with one request, with the live numbers (server side).
 - ``ui``: the on-call console at ``/admin/ui``: the page and its files (``static/``: plain HTML, CSS and JavaScript
   shipped as package data, no build step), served without the token because they carry no data.
