@@ -8,7 +8,8 @@
 - ``controller_rules``: a class controller's decision as an ordered tuple of named pure rules (``RULES``);
   ``controller``: one class's controller, which feeds the rules and applies their verdict; ``routing_state``: every
   controlled class's controller, fed by the scrape rounds; ``class_track``: what the state keeps per class (window
-  counts, the class's seen temperatures, its observation of its two pools), its metrics, and what it hands out;
+  counts, the class's seen temperatures, its observation of its two pools) and what it hands out; ``route_events``:
+  what a route change leaves behind (metrics, a log line, the audit's callback);
   ``ownership``: who owns the speculative pool (the order of the classes on it, the visitor limit, the spill);
   ``estimate``: a class's expected completion time and cost on a pool.
 - ``fairshare``: which tenant gets in at a full pool (priority bands, weighted fair share).

@@ -1,8 +1,8 @@
 """What the routing state keeps per controlled traffic class, and the values it hands out: one request's
 ``RouteChoice``, a ``ProbeChange``, the window bookkeeping (``ClassTrack``), a class's observation of its two pools
 in one round (``observe_pools``, with its acceptance rate: ``class_rate``, and its draft counters:
-``class_draft_counts``), the window mean of its observations (``windowed``) and the route state's metric families
-(``RouteMetrics``). Used by ``gateway.routing.routing_state``."""
+``class_draft_counts``) and the window mean of its observations (``windowed``). Used by
+``gateway.routing.routing_state``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gateway.config.schema import PoolKind
 from gateway.fleet.vllm_metrics import PoolLoadView
@@ -114,46 +114,6 @@ def windowed(fresh: deque[tuple[float, Observation]], now: float, window_s: floa
         spec_queue=mean([o.spec_queue for o in rounds]) if obs.spec_queue is not None else None,
         spec_batch=mean([o.spec_batch for o in rounds]) if obs.spec_batch is not None else None,
     )
-
-
-class RouteMetrics:
-    """The route state's metric families (one set per registry): transitions, state and share gauges, probes."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.transitions = Counter(
-            "specgate_controller_transitions_total",
-            "Route-state changes of a traffic class's controller, by reason.",
-            ["class", "from", "to", "reason"],
-            registry=registry,
-        )
-        # Every worker runs its own controllers: the merge shows 1 for a state while any live worker has it.
-        self.route_state = Gauge(
-            "specgate_class_route_state",
-            "1 for the traffic class's current route state (speculative, split or standard), 0 for the others.",
-            ["class", "state"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.share = Gauge(
-            "specgate_class_speculative_share",
-            "Share of the traffic class's requests the controller sends to the speculative pool first.",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.probes = Counter(
-            "specgate_controller_probes_total",
-            "Requests a class controller sent to the speculative pool to measure the class's acceptance (probes).",
-            ["class"],
-            registry=registry,
-        )
-        self.probe_share = Gauge(
-            "specgate_class_probe_share",
-            "Share of the traffic class's requests sent to the speculative pool as probes (0: not probing).",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
 
 
 def observe_pools(

@@ -38,18 +38,14 @@ sitting wholly on standard to the speculative pool (``specgate_controller_probes
 ``specgate_class_probe_share`` gauge, a ``controller_probe`` log line and ``on_probe`` (the audit log) when probing
 starts or stops).
 
-Every transition increments ``specgate_controller_transitions_total{class,from,to,reason}``, moves the
-``specgate_class_route_state{class,state}`` gauge, logs one JSON line on the ``specgate.controller`` logger and
-goes to ``on_transition`` (the audit log). A share step within ``split`` moves ``specgate_class_speculative_share``
-and logs a ``controller_step`` line.
+Every transition, share step and probe change is recorded by ``gateway.routing.route_events`` (metrics, a log
+line or the owner's callback: the audit log).
 Not thread-safe: the event loop owns it. In cluster mode a follower runs none: it routes on the leader's states and
 shares and shows the leader's controller snapshots (``adopt``); without it each process runs its own controllers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import random
 import time
@@ -62,9 +58,8 @@ from prometheus_client import CollectorRegistry
 from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
-from gateway.observability.logs import log_event
 from gateway.routing.batch_slope import PoolSpeeds
-from gateway.routing.class_track import ClassTrack, RouteMetrics, Why, class_draft_counts, observe_pools, windowed
+from gateway.routing.class_track import ClassTrack, Why, class_draft_counts, observe_pools, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Transition
@@ -74,11 +69,9 @@ from gateway.routing.estimate import (
     prior_rate,
 )
 from gateway.routing.ownership import outranked, standing_of, visitor_limit, visitor_limits
-
-logger = logging.getLogger("specgate.controller")
+from gateway.routing.route_events import RouteEvents
 
 SEEN_WEIGHT = 0.05  # weight of one request's temperature in its class's mean: about the last 20 requests
-STATES: tuple[ControllerState, ...] = ("speculative", "split", "standard")
 
 
 class RoutingState:
@@ -98,8 +91,6 @@ class RoutingState:
         self._registry = registry
         self._clock = clock
         self._latency_p95 = latency_p95  # (class, pool, since) → p95 seconds
-        self._on_transition = on_transition
-        self._on_probe = on_probe
         self._classes: dict[str, ClassTrack] = {}
         self._speeds = PoolSpeeds()  # per pool: last measured TPOT, and what one more running request adds to it
         # On-call class routes (``set_forced``): class → (first pool kind, until: this clock, inf = until removed)
@@ -111,9 +102,7 @@ class RoutingState:
         # The other replicas' cumulative (requests, draft tokens, accepted tokens) per class, added to this
         # process's own in each round (a cluster's leader decides on the whole cluster's samples).
         self.remote_counts: Callable[[], Mapping[str, tuple[float, float, float]]] = dict
-        m = RouteMetrics(registry)
-        self.transitions, self.route_state, self.share = m.transitions, m.route_state, m.share
-        self.probes, self.probe_share = m.probes, m.probe_share
+        self._events = RouteEvents(registry, on_transition, on_probe)
         self._sync(clock())
 
     # -- the hot path ----------------------------------------------------------------------------------------
@@ -160,7 +149,7 @@ class RoutingState:
         pick = ("speculative" if rng.random() < share else "standard") if state == "split" else state
         if pick == "standard" and state == "standard" and probe > 0 and rng.random() < probe:
             if count:
-                self.probes.labels(class_name).inc()
+                self._events.probe_sent(class_name)
             return RouteChoice(state, "speculative", share, why="probe", pools=pools, speeds=c.speeds)
         why = _why(ctl, pick)
         limit = c.visitor_limit if why == "spill" else None
@@ -187,7 +176,7 @@ class RoutingState:
         }
         for name, c in self._classes.items():
             state, share = self._adopted.get(name, (c.controller.state, c.controller.share))
-            self._set_gauge(name, state, share)
+            self._events.set_state(name, state, share)
 
     @property
     def adopted(self) -> bool:
@@ -238,7 +227,7 @@ class RoutingState:
             return None
         t = c.controller.force(kind, now, ttl_s=until - now if math.isfinite(until) else math.inf)
         if t is not None:
-            self._record(t)
+            self._events.transition(t)
         return t
 
     # -- the scrape round ------------------------------------------------------------------------------------
@@ -302,65 +291,23 @@ class RoutingState:
             if c.controller.share != before:
                 c.moved_at_requests = requests
             if t is not None:
-                self._record(t)
+                self._events.transition(t)
                 out.append(t)
             elif c.controller.share != before:
-                self._step(name, before, c.controller)
-            self._probe(name, c, now)
+                self._events.step(name, before, c.controller)
+            self._set_probe(name, c, now)
         # A class without a controller is not counted: it carries traffic as far as anyone knows.
         limits = visitor_limits(rules, lambda cls: window.get(cls, 1.0) > 0)
         for c in self._classes.values():
             c.visitor_limit = limits.get(c.away_pool)
         return out
 
-    def _probe(self, name: str, c: ClassTrack, now: float) -> None:
-        """Set the class's probe share for the next round; a log line and ``on_probe`` when it starts or stops."""
+    def _set_probe(self, name: str, c: ClassTrack, now: float) -> None:
+        """Set the class's probe share for the next round (recorded when probing starts or stops)."""
         share = c.controller.probe_share()
-        if share == c.probe:
-            return
-        c.probe = share
-        self.probe_share.labels(name).set(share)
-        detail = "acceptance never measured and the speculative pool has headroom" if share > 0 else "probing stopped"
-        change = ProbeChange(name, share, now, detail)
-        if self._on_probe is not None:  # its owner records it (the audit log, one line): not logged twice
-            self._on_probe(change)
-            return
-        log_event(logger, "controller_probe", {"class": name, "share": share, "at": now, "detail": detail})
-
-    def _record(self, t: Transition) -> None:
-        self.transitions.labels(t.class_name, t.from_state, t.to_state, t.reason).inc()
-        self._set_gauge(t.class_name, t.to_state, t.share)
-        if self._on_transition is not None:  # its owner records it (the audit log, one line): not logged twice
-            self._on_transition(t)
-            return
-        line = {
-            "class": t.class_name,
-            "from": t.from_state,
-            "to": t.to_state,
-            "reason": t.reason,
-            "share": t.share,
-            "at": t.at,
-            "detail": t.detail,
-        }
-        log_event(logger, "controller_transition", line)
-
-    def _step(self, class_name: str, before: float, controller: Controller) -> None:
-        """A share step within ``split``: the share gauge and a log line (not a transition)."""
-        self.share.labels(class_name).set(controller.share)
-        snap = controller.snapshot()
-        line = {
-            "class": class_name,
-            "share_from": before,
-            "share": controller.share,
-            "reason": snap.last_reason,
-            "at": snap.share_since,
-        }
-        log_event(logger, "controller_step", line)
-
-    def _set_gauge(self, class_name: str, state: ControllerState, share: float) -> None:
-        for s in STATES:
-            self.route_state.labels(class_name, s).set(1 if s == state else 0)
-        self.share.labels(class_name).set(share)
+        if share != c.probe:
+            c.probe = share
+            self._events.probe_changed(name, share, now)
 
     # -- config ----------------------------------------------------------------------------------------------
 
@@ -380,11 +327,7 @@ class RoutingState:
             wanted[cls.name] = (cfg, pair[0], pair[1], home, cls)
         for name in set(self._classes) - set(wanted):
             del self._classes[name]
-            for s in STATES:
-                self.route_state.remove(name, s)
-            self.share.remove(name)
-            with contextlib.suppress(KeyError):
-                self.probe_share.remove(name)
+            self._events.forget(name)
         for name, (cfg, spec, std, home, cls) in wanted.items():
             spec_cfg = rules.pool(spec).speculative
             k = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
@@ -411,7 +354,7 @@ class RoutingState:
             )  # fmt: skip
             # until a round has counted the traffic: every class at home there counts
             self._classes[name].visitor_limit = visitor_limit(rules, self._classes[name].away_pool)
-            self._set_gauge(name, controller.state, controller.share)
+            self._events.set_state(name, controller.state, controller.share)
             if name in self._forced:  # a new controller (changed config) keeps the on-call force
                 self._force_controller(name, now)
 
