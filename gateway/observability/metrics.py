@@ -18,6 +18,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.observability.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
 from gateway.observability.latency_window import LatencyWindow
+from gateway.observability.metrics_fleet import FleetMetrics
 from gateway.observability.metrics_workers import forget_dead_processes, forget_process
 from gateway.observability.metrics_workers import multiprocess_dir as multiprocess_dir  # the app's import
 
@@ -40,14 +41,16 @@ OPENMETRICS = "application/openmetrics-text"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
 
-class GatewayMetrics:
+class GatewayMetrics(FleetMetrics):
     """The gateway's ``specgate_*`` Prometheus metrics in their own registry (requests, latency, attempts,
-    fallbacks, in-flight, acceptance, idempotency, config), with the helpers the request path records through.
+    fallbacks, in-flight, acceptance, idempotency, config), with the helpers the request path records through;
+    what is measured of the fleet itself is declared by ``FleetMetrics`` (``metrics_fleet``).
     With ``--workers N`` it writes to prometheus_client's multiprocess directory (``share_across_workers``)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        super().__init__(r)
         self.requests = Counter(
             "specgate_requests_total",
             "Requests by traffic class, pool and outcome.",
@@ -76,29 +79,14 @@ class GatewayMetrics:
             registry=r,
         )
         # multiprocess_mode only matters with several workers (ignored otherwise). In flight: the sum over the
-        # live workers. Endpoint health: each worker runs its own checks, so the merge is the highest value over
-        # the live workers (1 while any worker's last check passed; 0 once every worker's last check failed, i.e.
-        # within one check interval of the endpoint going down). "liveall" would add a ``pid`` label, one series
-        # per worker that changes on every worker restart; plain "max" would keep a dead worker's last 1 forever.
+        # live workers. "liveall" would add a ``pid`` label, one series per worker that changes on every worker
+        # restart; plain "max" would keep a dead worker's last value forever.
         self.in_flight = Gauge(
             "specgate_in_flight_requests",
             "Requests in flight to each pool.",
             ["pool"],
             registry=r,
             multiprocess_mode="livesum",
-        )
-        self.endpoint_up = Gauge(
-            "specgate_endpoint_healthy",
-            "1 when the endpoint's last health check passed.",
-            ["pool", "endpoint"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self.health_checks = Counter(
-            "specgate_health_checks_total",
-            "Active health checks by result.",
-            ["pool", "result"],
-            registry=r,
         )
         # The attempt loop (gateway.proxy.forward, gateway.routing.attempts): every upstream attempt, every move
         # to another pool, and passive outlier ejection (1 while the endpoint is ejected in any live worker).
@@ -188,73 +176,6 @@ class GatewayMetrics:
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
         self.shared_dir: str | None = None
 
-        # Scraped pool state (gateway.fleet.scraper). Every worker scrapes for itself, so the merge takes the most
-        # recent value of a live worker. Unknown (stale, no drafts in the window) is NaN, never 0.
-        self.pool_acceptance = Gauge(
-            "specgate_pool_acceptance_ratio",
-            "Draft acceptance rate of the pool over the scrape window (accepted / draft tokens); NaN when unknown.",
-            ["pool"],
-            registry=r,
-            multiprocess_mode="livemostrecent",
-        )
-        self.pool_queue_depth = Gauge(
-            "specgate_pool_queue_depth",
-            "Waiting requests in the pool (scraped vllm:num_requests_waiting, summed); NaN when stale.",
-            ["pool"],
-            registry=r,
-            multiprocess_mode="livemostrecent",
-        )
-        self.pool_batch_size = Gauge(
-            "specgate_pool_batch_size",
-            "Running requests in the pool (scraped vllm:num_requests_running, summed); NaN when stale.",
-            ["pool"],
-            registry=r,
-            multiprocess_mode="livemostrecent",
-        )
-        self.endpoint_scrape_stale = Gauge(
-            "specgate_endpoint_scrape_stale",
-            "1 when the endpoint's scraped data is stale (last scrape failed or too old).",
-            ["pool", "endpoint"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        # Prefix affinity (gateway.fleet.affinity): what the gateway predicted against what the servers measured.
-        self.prefix_predicted_hit_tokens = Counter(
-            "specgate_prefix_predicted_hit_tokens",
-            "Prompt tokens the gateway expected the endpoint's prefix cache to hold when it sent a request there "
-            "(approximate: warm 64-character chunks x 16).",
-            ["pool", "endpoint"],
-            registry=r,
-        )
-        self.prefix_prompt_tokens = Counter(
-            "specgate_prefix_prompt_tokens",
-            "Prompt tokens the gateway sent to the endpoint and recorded in its prefix index (whole chunks x 16).",
-            ["pool", "endpoint"],
-            registry=r,
-        )
-        self.prefix_measured_hit_ratio = Gauge(
-            "specgate_prefix_measured_hit_ratio",
-            "The endpoint's prefix-cache hit rate over the scrape window (scraped vllm:prefix_cache_hits / "
-            "vllm:prefix_cache_queries deltas); NaN when unknown.",
-            ["pool", "endpoint"],
-            registry=r,
-            multiprocess_mode="livemostrecent",
-        )
-        self.prefix_index_chunks = Gauge(
-            "specgate_prefix_index_chunks",
-            "Chunks (about 16 tokens each) in the gateway's prefix index of the endpoint.",
-            ["pool", "endpoint"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
-        self._prefix: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self.scrapes = Counter(
-            "specgate_scrapes_total",
-            "Scrapes of the endpoints' /metrics by result (ok, timeout, error, bad_status, malformed).",
-            ["pool", "result"],
-            registry=r,
-        )
-
         # Per-class acceptance from the responses of speculative pools (gateway.observability.acceptance): a sliding
         # window of
         # each class's recent requests in this process, pooled from the counts; NaN until a request drafted.
@@ -336,20 +257,6 @@ class GatewayMetrics:
         if child is None:
             child = self._in_flight[pool] = self.in_flight.labels(pool)
         return child
-
-    def prefix_sent(self, pool: str, endpoint: str, chunks: int, warm_chunks: int) -> None:
-        """A prompt recorded in an endpoint's prefix index: its size and the part predicted warm, in chunks of
-        about 16 tokens."""
-        key = (pool, endpoint)
-        children = self._prefix.get(key)
-        if children is None:
-            children = self._prefix[key] = (
-                self.prefix_prompt_tokens.labels(pool, endpoint),
-                self.prefix_predicted_hit_tokens.labels(pool, endpoint),
-            )
-        children[0].inc(chunks * 16)
-        if warm_chunks:
-            children[1].inc(warm_chunks * 16)
 
     def limit_refused(self, limit: str) -> None:
         """Count one refusal by a limit (``limit_refusals``); ``limit`` is one of a fixed set of names."""
