@@ -41,26 +41,30 @@ class TenantWeight:
     priority: int
 
 
+@dataclass(frozen=True, slots=True)
+class PoolTenants:
+    """A pool as fair share sees it: its requests in flight per tenant (``counts``), every known tenant's weight and
+    priority (``tenants``), its admission bound and its requests in flight."""
+
+    counts: Mapping[str, int]
+    tenants: Mapping[str, TenantWeight]
+    bound: int
+    in_flight: int
+
+
 def fair_shares(bound: int, active: Mapping[str, TenantWeight]) -> dict[str, float]:
     """Each active tenant's weighted share of ``bound`` in-flight requests."""
     total = sum(t.weight for t in active.values()) or 1.0
     return {name: bound * t.weight / total for name, t in active.items()}
 
 
-def admit_at_bound(
-    tenant: str,
-    counts: Mapping[str, int],
-    tenants: Mapping[str, TenantWeight],
-    bound: int,
-    in_flight: int,
-    priority: int | None = None,
-) -> bool:
-    """At a full pool (``in_flight >= bound``): is ``tenant``'s request admitted anyway? ``counts``: the pool's
-    in-flight requests per tenant; ``tenants``: every known tenant's weight and priority; ``priority``: this
-    request's own (a per-request header), else its tenant's."""
-    if in_flight >= 2 * bound:
+def admit_at_bound(tenant: str, pool: PoolTenants, priority: int | None = None) -> bool:
+    """At a full pool (``pool.in_flight >= pool.bound``): is ``tenant``'s request admitted anyway? ``priority``:
+    this request's own (a per-request header), else its tenant's."""
+    counts = pool.counts
+    if pool.in_flight >= 2 * pool.bound:
         return False
-    band = _band(tenant, counts, tenants, bound, priority)
+    band = _band(tenant, counts, pool.tenants, pool.bound, priority)
     if band is None:
         return False
     if any(t.priority > band.mine.priority for t in band.active.values()):
@@ -70,22 +74,14 @@ def admit_at_bound(
     return any(counts.get(name, 0) > share for name, share in band.shares.items() if name != tenant)
 
 
-def hold_back(
-    tenant: str,
-    counts: Mapping[str, int],
-    tenants: Mapping[str, TenantWeight],
-    bound: int,
-    in_flight: int,
-    *,
-    priority: int | None = None,
-    best: int | None = None,
-) -> bool:
+def hold_back(tenant: str, pool: PoolTenants, *, priority: int | None = None, best: int | None = None) -> bool:
     """Below the bound: must ``tenant``'s request leave the pool's last free slots to the others? A request of a
     worse priority than ``best`` (the best priority configured) never takes the last free slot: the fast lane, for
     a better priority's next request. Beyond that only a tenant above its share is held back: it keeps one slot
     free for each tenant of a better priority holding requests in the pool (at least the fast lane) and for each
     tenant of its band under its share, whose next request then finds a free slot of the batch instead of waiting in
     vLLM's queue past the bound."""
+    counts, tenants, bound, in_flight = pool.counts, pool.tenants, pool.bound, pool.in_flight
     if in_flight + len(counts) + 1 < bound:
         return False  # more free slots than there are other tenants (and the fast lane): nothing to keep
     band = _band(tenant, counts, tenants, bound, priority)

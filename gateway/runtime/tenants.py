@@ -22,7 +22,7 @@ from gateway.config.tenants import NO_TENANT, PRIORITY_BOUND, Tenant, TenantsFil
 from gateway.errors import BadRequest, RateLimited, Unauthorized
 from gateway.observability.recent_counts import RecentCounts
 from gateway.observability.tenant_metrics import TenantMetrics
-from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back, share_of
+from gateway.routing.fairshare import PoolTenants, TenantWeight, admit_at_bound, hold_back, share_of
 from gateway.runtime.waiting_room import WaitingRoom
 from gateway.store.base import StoreUnavailable
 from gateway.store.ratelimit import BucketView, MemoryRateLimiter, RateLimiter, Verdict
@@ -171,7 +171,9 @@ class Ticket:
         if bound is None:
             return False
         counts = self.tenancy.pool_counts.get(pool, {})
-        return admit_at_bound(self.tenant.name, counts, self.tenancy.weights, bound, in_flight, self.priority)
+        return admit_at_bound(
+            self.tenant.name, PoolTenants(counts, self.tenancy.weights, bound, in_flight), self.priority
+        )
 
     def holds_back(self, pool: str, in_flight: int, bound: int | None) -> bool:
         """Below the bound: this request leaves the last free slots to the other tenants
@@ -181,7 +183,10 @@ class Ticket:
             return False
         tenancy = self.tenancy
         return hold_back(
-            self.tenant.name, counts, tenancy.weights, bound, in_flight, priority=self.priority, best=tenancy.best
+            self.tenant.name,
+            PoolTenants(counts, tenancy.weights, bound, in_flight),
+            priority=self.priority,
+            best=tenancy.best,
         )
 
     def observe(self, data: bytes) -> None:

@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.routing.fairshare import TenantWeight, hold_back
+from gateway.routing.fairshare import PoolTenants, TenantWeight, hold_back
 
 # (priority, requests in the pool per unit of weight, arrival): the smallest is served first, the largest shed first.
 Rank = tuple[int, float, int]
@@ -133,7 +133,7 @@ class WaitingRoom:
 
         def held_back(w: Waiter, now: Mapping[str, int]) -> bool:
             in_flight = taken + sum(now.values()) - base
-            return hold_back(w.tenant, now, weights, bound, in_flight, priority=w.priority, best=best)
+            return hold_back(w.tenant, PoolTenants(now, weights, bound, in_flight), priority=w.priority, best=best)
 
         self.grant(bound - taken, counts, held_back)
 

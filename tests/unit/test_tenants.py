@@ -10,7 +10,7 @@ import pytest
 
 from gateway.config.settings import Settings
 from gateway.config.tenants import TenantsError, load_tenants_text
-from gateway.routing.fairshare import TenantWeight, admit_at_bound, hold_back
+from gateway.routing.fairshare import PoolTenants, TenantWeight, admit_at_bound, hold_back
 from gateway.runtime.container import Runtime
 from gateway.runtime.tenants import format_reset, usage_tokens
 from gateway.store.ratelimit import MemoryRateLimiter
@@ -112,57 +112,67 @@ W = {"flood": TenantWeight(1.0, 0), "steady": TenantWeight(1.0, 0), "gold": Tena
 
 
 def test_at_the_bound_a_tenant_under_its_share_gets_in_while_another_is_above() -> None:
-    assert admit_at_bound("steady", {"flood": 8}, W, bound=8, in_flight=8)
-    assert admit_at_bound("steady", {"flood": 5, "steady": 3}, W, bound=8, in_flight=8)
-    assert not admit_at_bound("flood", {"flood": 8}, W, bound=8, in_flight=8)  # above its share: shed
-    assert not admit_at_bound("steady", {"flood": 4, "steady": 4}, W, bound=8, in_flight=8)  # both at share
-    assert not admit_at_bound("steady", {"flood": 8, "steady": 8}, W, bound=8, in_flight=16)  # the hard cap
+    assert admit_at_bound("steady", PoolTenants({"flood": 8}, W, bound=8, in_flight=8))
+    assert admit_at_bound("steady", PoolTenants({"flood": 5, "steady": 3}, W, bound=8, in_flight=8))
+    assert not admit_at_bound("flood", PoolTenants({"flood": 8}, W, bound=8, in_flight=8))  # above its share: shed
+    assert not admit_at_bound(
+        "steady", PoolTenants({"flood": 4, "steady": 4}, W, bound=8, in_flight=8)
+    )  # both at share
+    assert not admit_at_bound(
+        "steady", PoolTenants({"flood": 8, "steady": 8}, W, bound=8, in_flight=16)
+    )  # the hard cap
 
 
 def test_weights_size_the_shares() -> None:
     heavy = {**W, "steady": TenantWeight(3.0, 0)}
-    assert admit_at_bound("steady", {"flood": 3, "steady": 5}, heavy, bound=8, in_flight=8)  # share 6 of 8
-    assert not admit_at_bound("steady", {"flood": 2, "steady": 6}, heavy, bound=8, in_flight=8)
+    assert admit_at_bound("steady", PoolTenants({"flood": 3, "steady": 5}, heavy, bound=8, in_flight=8))  # share 6 of 8
+    assert not admit_at_bound("steady", PoolTenants({"flood": 2, "steady": 6}, heavy, bound=8, in_flight=8))
 
 
 def test_a_better_priority_gets_in_over_a_worse_one() -> None:
-    assert admit_at_bound("gold", {"flood": 4, "steady": 4, "gold": 6}, W, bound=8, in_flight=14)
-    assert not admit_at_bound("flood", {"gold": 8}, W, bound=8, in_flight=8)
-    assert admit_at_bound("flood", {"gold": 8}, W, bound=8, in_flight=8, priority=-5)  # a per-request priority
+    assert admit_at_bound("gold", PoolTenants({"flood": 4, "steady": 4, "gold": 6}, W, bound=8, in_flight=14))
+    assert not admit_at_bound("flood", PoolTenants({"gold": 8}, W, bound=8, in_flight=8))
+    assert admit_at_bound(
+        "flood", PoolTenants({"gold": 8}, W, bound=8, in_flight=8), priority=-5
+    )  # a per-request priority
     # Within a band, the shares are of what the better band leaves: 4 of 8 here, 2 each for flood and steady.
-    assert admit_at_bound("steady", {"gold": 4, "flood": 4}, W, bound=8, in_flight=8)
-    assert not admit_at_bound("steady", {"gold": 4, "flood": 2, "steady": 2}, W, bound=8, in_flight=8)
+    assert admit_at_bound("steady", PoolTenants({"gold": 4, "flood": 4}, W, bound=8, in_flight=8))
+    assert not admit_at_bound("steady", PoolTenants({"gold": 4, "flood": 2, "steady": 2}, W, bound=8, in_flight=8))
 
 
 def test_below_the_bound_a_tenant_above_its_share_leaves_a_slot_to_each_other_tenant() -> None:
     # Bound 16; steady holds 3 (under its share of 8), flood 12: flood may not take the 16th slot, nor the 15th.
     one_band = {"flood": W["flood"], "steady": W["steady"]}
-    assert not hold_back("flood", {"flood": 11, "steady": 3}, one_band, bound=16, in_flight=14)
-    assert hold_back("flood", {"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15)
-    assert not hold_back("steady", {"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15)  # within its share
-    assert not hold_back("flood", {"flood": 15}, one_band, bound=16, in_flight=15)  # nobody else is there
+    assert not hold_back("flood", PoolTenants({"flood": 11, "steady": 3}, one_band, bound=16, in_flight=14))
+    assert hold_back("flood", PoolTenants({"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15))
+    assert not hold_back(
+        "steady", PoolTenants({"flood": 12, "steady": 3}, one_band, bound=16, in_flight=15)
+    )  # within its share
+    assert not hold_back("flood", PoolTenants({"flood": 15}, one_band, bound=16, in_flight=15))  # nobody else is there
     # A better band keeps a slot too (flood's share: half of what gold leaves); a worse one does not get one.
-    assert hold_back("flood", {"flood": 10, "steady": 3, "gold": 2}, W, bound=16, in_flight=15)
-    assert not hold_back("flood", {"flood": 8, "steady": 3, "gold": 2}, W, bound=16, in_flight=13)
-    assert not hold_back("gold", {"gold": 13, "flood": 2}, W, bound=16, in_flight=15)
+    assert hold_back("flood", PoolTenants({"flood": 10, "steady": 3, "gold": 2}, W, bound=16, in_flight=15))
+    assert not hold_back("flood", PoolTenants({"flood": 8, "steady": 3, "gold": 2}, W, bound=16, in_flight=13))
+    assert not hold_back("gold", PoolTenants({"gold": 13, "flood": 2}, W, bound=16, in_flight=15))
     # Within its share a tenant is not held back for a better band's slots, but for the last one (the fast lane)
-    assert not hold_back("steady", {"flood": 4, "steady": 1, "gold": 1}, W, bound=8, in_flight=6)
-    assert hold_back("steady", {"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7)
+    assert not hold_back("steady", PoolTenants({"flood": 4, "steady": 1, "gold": 1}, W, bound=8, in_flight=6))
+    assert hold_back("steady", PoolTenants({"flood": 4, "steady": 2, "gold": 1}, W, bound=8, in_flight=7))
 
 
 def test_a_better_priority_configured_but_idle_keeps_one_fast_lane() -> None:
     # gold (priority -1) holds nothing in the pool: flood, even alone (all the pool is its share), leaves the last
     # slot for gold's next request (vLLM would not preempt for it at a full batch); with steady, one more for it.
-    assert hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15)
-    assert not hold_back("flood", {"flood": 14}, W, bound=16, in_flight=14)
-    assert hold_back("flood", {"flood": 11, "steady": 3}, W, bound=16, in_flight=14)
-    assert not hold_back("flood", {"flood": 10, "steady": 3}, W, bound=16, in_flight=13)
+    assert hold_back("flood", PoolTenants({"flood": 15}, W, bound=16, in_flight=15))
+    assert not hold_back("flood", PoolTenants({"flood": 14}, W, bound=16, in_flight=14))
+    assert hold_back("flood", PoolTenants({"flood": 11, "steady": 3}, W, bound=16, in_flight=14))
+    assert not hold_back("flood", PoolTenants({"flood": 10, "steady": 3}, W, bound=16, in_flight=13))
     # Only one lane however many better tenants are idle, none for the best band, none within one's share.
     many = {**W, "gold2": TenantWeight(1.0, -1), "platinum": TenantWeight(1.0, -2)}
-    assert not hold_back("flood", {"flood": 14}, many, bound=16, in_flight=14)
-    assert not hold_back("gold", {"gold": 15}, W, bound=16, in_flight=15)
-    assert not hold_back("steady", {"steady": 6, "flood": 8}, W, bound=16, in_flight=14)
-    assert not hold_back("flood", {"flood": 15}, W, bound=16, in_flight=15, best=0)  # told no better band exists
+    assert not hold_back("flood", PoolTenants({"flood": 14}, many, bound=16, in_flight=14))
+    assert not hold_back("gold", PoolTenants({"gold": 15}, W, bound=16, in_flight=15))
+    assert not hold_back("steady", PoolTenants({"steady": 6, "flood": 8}, W, bound=16, in_flight=14))
+    assert not hold_back(
+        "flood", PoolTenants({"flood": 15}, W, bound=16, in_flight=15), best=0
+    )  # told no better band exists
 
 
 def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
@@ -170,11 +180,11 @@ def test_held_back_and_at_the_bound_count_a_share_alike() -> None:
     # has a free slot: it is admitted, not held back for the others' slots.
     weights = {**W, "steady": TenantWeight(2.0, 0)}
     counts = {"flood": 4, "steady": 8, "gold": 3}
-    assert not hold_back("steady", counts, weights, bound=16, in_flight=14)
+    assert not hold_back("steady", PoolTenants(counts, weights, bound=16, in_flight=14))
     # The 16th slot is gold's fast lane: nobody is above its share, so steady waits for another slot.
-    assert hold_back("steady", counts, weights, bound=16, in_flight=15)
-    assert not admit_at_bound("steady", counts, weights, bound=16, in_flight=15)
-    assert admit_at_bound("steady", {"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16)
+    assert hold_back("steady", PoolTenants(counts, weights, bound=16, in_flight=15))
+    assert not admit_at_bound("steady", PoolTenants(counts, weights, bound=16, in_flight=15))
+    assert admit_at_bound("steady", PoolTenants({"flood": 5, "steady": 8, "gold": 3}, weights, bound=16, in_flight=16))
 
 
 def test_the_tenants_file_travels_to_the_workers_and_a_bad_one_stops_the_start(tmp_path: Path) -> None:
