@@ -12,8 +12,9 @@ module sees plain bytes, statuses and our own errors. The client fails with ``OS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,26 +64,14 @@ class UpstreamResponse:
         return ctype.startswith("text/event-stream")
 
     async def read(self) -> bytes:
-        try:
+        with _body_errors("upstream total timeout while reading the body", "upstream broke while sending the body"):
             return await self.raw.read()
-        except ResponseTooLarge as exc:
-            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit, public=str(exc)) from exc
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream total timeout while reading the body") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"upstream broke while sending the body: {_describe(exc)}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive. Raises UpstreamError when the connection breaks."""
-        try:
+        with _body_errors("upstream total timeout while streaming", "upstream connection broke"):
             async for chunk in self.raw.iter_any():
                 yield chunk
-        except ResponseTooLarge as exc:
-            raise UpstreamResponseTooLarge(str(exc), limit=exc.limit, public=str(exc)) from exc
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream total timeout while streaming") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"upstream connection broke: {_describe(exc)}") from exc
 
     @property
     def content_type(self) -> str:
@@ -111,6 +100,19 @@ class UpstreamResponse:
         """The body was read to the end: the connection goes back to the pool."""
         self.raw.release()
         self._closed()
+
+
+@contextlib.contextmanager
+def _body_errors(timed_out: str, broke: str) -> Iterator[None]:
+    """A failure while the body arrives, as the gateway's error: too large, the total timeout, a broken connection."""
+    try:
+        yield
+    except ResponseTooLarge as exc:
+        raise UpstreamResponseTooLarge(str(exc), limit=exc.limit, public=str(exc)) from exc
+    except TimeoutError as exc:
+        raise UpstreamTimeout(timed_out) from exc
+    except OSError as exc:
+        raise UpstreamConnectError(f"{broke}: {_describe(exc)}") from exc
 
 
 def _describe(exc: BaseException) -> str:
