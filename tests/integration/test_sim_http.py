@@ -241,9 +241,9 @@ def test_queue_full_and_disconnect_aborts(slow: SimServer, client: httpx.Client)
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "Service Unavailable"
         assert r.json()["error"]["code"] == 503
-    t0 = time.monotonic()
-    assert poll(lambda: stats(client, slow)["running"] == 0)  # the client left: the generation is aborted
-    assert time.monotonic() - t0 < 1.0
+    # The client left: the generation is aborted long before its natural end (2,000 tokens at ~15 ms a step is
+    # 30 s); the bound is generous because a loaded machine can be slow to notice the closed socket.
+    assert poll(lambda: stats(client, slow)["running"] == 0, timeout_s=15.0)
     assert stats(client, slow)["requests"]["aborted"] == 1
     metrics = client.get(f"{slow.url}/metrics").text
     assert f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}} 1.0' in metrics
