@@ -283,7 +283,8 @@ class RequestTrace:
         matched right there (no pattern scans the whole piece)."""
         at = data.find(_FINISH_KEY)
         while at >= 0:
-            m = _FINISH.match(data, at)
+            # most stream events say "finish_reason":null: only a string is matched
+            m = None if data.startswith(b"null", at + len(_FINISH_KEY)) else _FINISH.match(data, at)
             if m is not None:
                 reasons = self.finish_reasons
                 if reasons is None:
