@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 # Span.kind
 INTERNAL = 1
@@ -20,10 +21,11 @@ CLIENT = 3
 # Span.flags: the W3C trace flags in the low byte, and whether the parent is known to be remote, and is
 SPAN_FLAGS_HAS_IS_REMOTE = 0x100
 SPAN_FLAGS_IS_REMOTE = 0x200
-_STATUS_ERROR = b"\x7a\x02\x18\x02"  # Span.status (15) = Status{code (3): STATUS_CODE_ERROR (2)}
-_TIMES = struct.Struct("<BQBQ")  # Span.start_time_unix_nano (7) and end_time_unix_nano (8), fixed64
+STATUS_ERROR = b"\x7a\x02\x18\x02"  # Span.status (15) = Status{code (3): STATUS_CODE_ERROR (2)}
+TIMES = struct.Struct("<BQBQ")  # Span.start_time_unix_nano (7) and end_time_unix_nano (8), fixed64
 _DOUBLE = struct.Struct("<d")
 _U64 = (1 << 64) - 1
+_BYTE = tuple(bytes((i,)) for i in range(0x80))
 CACHE_MAX = 4096  # encoded attributes kept for reuse; the cache is emptied when it is full
 Value = str | bool | int | float | Sequence[str] | Sequence[float]
 
@@ -71,19 +73,46 @@ class Encoder:
     of those values (``block``); the few values that differ per request (ids, durations, token counts) are encoded
     each time, on their key's cached prefix (``number``, ``string``)."""
 
-    __slots__ = ("_cache", "_keys")
+    __slots__ = ("_cache", "_keys", "_pairs")
 
     def __init__(self) -> None:
         self._cache: dict[object, bytes] = {}
+        self._pairs: dict[object, tuple[bytes, bytes]] = {}
         self._keys: dict[str, bytes] = {}
 
-    def block(self, key: tuple[object, ...], items: Callable[[], Iterable[tuple[str, Value]]]) -> bytes:
-        """The attributes ``items()`` makes, encoded once per distinct ``key`` (which must determine them)."""
+    def block(self, key: tuple[object, ...], items: Callable[..., Iterable[tuple[str, Value]]], *args: Any) -> bytes:
+        """The attributes ``items(*args)`` makes, encoded once per distinct ``key`` (which must determine them)."""
         got = self._cache.get(key)
         if got is None:
             if len(self._cache) >= CACHE_MAX:
                 self._cache.clear()
-            got = self._cache[key] = b"".join(key_value(k, v) for k, v in items())
+            got = self._cache[key] = b"".join(key_value(k, v) for k, v in items(*args))
+        return got
+
+    def pair(
+        self, key: tuple[object, ...], span: Callable[..., tuple[str, int, Iterable[tuple[str, Value]]]], *args: Any
+    ) -> tuple[bytes, bytes]:
+        """A span's name and kind fields, and its attributes: ``span(*args)`` = (name, kind, attributes), encoded
+        once per distinct ``key`` (which must determine them)."""
+        got = self._pairs.get(key)
+        if got is None:
+            if len(self._pairs) >= CACHE_MAX:
+                self._pairs.clear()
+            name, kind, items = span(*args)
+            got = self._pairs[key] = (
+                field(0x2A, name.encode()) + bytes((0x30, kind)),
+                b"".join(key_value(k, v) for k, v in items),
+            )
+        return got
+
+    def name_kind(self, name: str, kind: int) -> bytes:
+        """A span's ``name`` (5) and ``kind`` (6) fields, from the cache when seen before."""
+        key = (name, kind)
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            got = self._cache[key] = field(0x2A, name.encode()) + bytes((0x30, kind))
         return got
 
     def name(self, name: str) -> bytes:
@@ -109,6 +138,12 @@ class Encoder:
                 k = self._key(key)
                 prefix = self._keys[key + "\x00d"] = bytes((0x4A, len(k) + 11)) + k + b"\x12\x09\x21"
             return prefix + _DOUBLE.pack(v)
+        if 0 <= v < 0x80:  # one byte of varint: the prefix is fixed per key too
+            prefix = self._keys.get(key + "\x00i")
+            if prefix is None:
+                k = self._key(key)
+                prefix = self._keys[key + "\x00i"] = bytes((0x4A, len(k) + 4)) + k + b"\x12\x02\x18"
+            return prefix + _BYTE[v]
         k = self._key(key)
         value = b"\x18" + varint(v)
         body = k + bytes((0x12, len(value))) + value
@@ -118,6 +153,21 @@ class Encoder:
         """A string attribute that differs per request (an id)."""
         body = self._key(key) + field(0x12, field(0x0A, v.encode()))
         return bytes((0x4A, len(body))) + body if len(body) < 0x80 else b"\x4a" + varint(len(body)) + body
+
+
+def span_field(body: bytes) -> bytes:
+    """A ``Span`` message's bytes (``body``) as a ``ScopeSpans.spans`` (2) field."""
+    n = len(body)
+    if n < 0x80:
+        return bytes((0x12, n)) + body
+    if n < 0x4000:
+        return bytes((0x12, (n & 0x7F) | 0x80, n >> 7)) + body
+    return b"\x12" + varint(n) + body
+
+
+def span_flags(flags: int, error: bool) -> bytes:
+    """A span's ``status`` (15, only when it failed) and ``flags`` (16) fields."""
+    return (STATUS_ERROR if error else b"") + b"\x85\x01" + struct.pack("<I", flags)
 
 
 def span(
@@ -141,9 +191,9 @@ def span(
         parts.append(field(0x1A, trace_state))
     if parent_id is not None:
         parts += (b"\x22\x08", parent_id)
-    parts += (name, b"\x30", bytes((kind,)), _TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes)
+    parts += (name, b"\x30", bytes((kind,)), TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes)
     if error:
-        parts.append(_STATUS_ERROR)
+        parts.append(STATUS_ERROR)
     parts += (b"\x85\x01", struct.pack("<I", flags))  # Span.flags (16), fixed32
     body = b"".join(parts)
     return b"\x12" + varint(len(body)) + body

@@ -207,14 +207,14 @@ def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[]
 
 class Exporter:
     """The queue of finished traces and the thread that writes their spans and sends them (module docstring).
-    ``encode`` writes one queued item's spans (``trace_spans.encode``); ``send`` replaces gRPC (tests). ``submit``
-    is called from the event loop; it never blocks on the network and does no encoding."""
+    ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests).
+    ``submit`` is called from the event loop; it never blocks on the network and does no encoding."""
 
     def __init__(
         self,
         cfg: ExportConfig,
         send: Callable[[bytes], None] | None = None,
-        encode: Callable[[Any], list[bytes]] = list,
+        encode: Callable[[Any], bytes] = b"".join,
     ) -> None:
         self.cfg = cfg
         self._close: Callable[[], None] = lambda: None
@@ -273,10 +273,11 @@ class Exporter:
         """Write the batch's spans and send them. ``pace``: give the GIL back every few traces, so the event loop
         waits at most a few hundred microseconds for it (not the interpreter's switch interval)."""
         spans: list[bytes] = []
-        failed = 0
+        written = failed = 0
         for i, (item, n) in enumerate(batch):
             try:
-                spans += self._encode(item)
+                spans.append(self._encode(item))
+                written += n
             except Exception:  # a bug in writing one trace: that trace is lost, not the batch
                 log.exception("a trace could not be written")
                 failed += n
@@ -287,9 +288,9 @@ class Exporter:
             return
         try:
             self._send(otlp_wire.request(self._fixed, spans))
-            self.exported += len(spans)
+            self.exported += written
         except Exception as exc:  # a collector away or refusing: the batch is lost, the gateway goes on
-            self.dropped += len(spans)
+            self.dropped += written
             now = time.monotonic()
             if now - self._last_warning >= _LOG_EVERY_S:
                 self._last_warning = now

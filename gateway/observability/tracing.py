@@ -51,14 +51,13 @@ OPERATIONS: Mapping[str, str] = {
 # going away is not the gateway's failure.
 _FAILED = frozenset({"upstream_error", "no_capacity", "overloaded", "stream_error", "client_stalled", "gateway_error"})
 # Read from the pool's JSON: only the keys match (a quote inside a JSON string is escaped, so text cannot fake them).
+_FINISH_KEY = b'"finish_reason":'
 _FINISH = re.compile(rb'"finish_reason":\s*"([A-Za-z_]{1,32})"')
-_USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)":\s*(\d{1,12})[,}\s]')
-_USAGE_KEY = {
-    b"prompt_tokens": "gen_ai.usage.input_tokens",
-    b"input_tokens": "gen_ai.usage.input_tokens",
-    b"completion_tokens": "gen_ai.usage.output_tokens",
-    b"output_tokens": "gen_ai.usage.output_tokens",
-}
+_USAGE_KEYS = (
+    ("gen_ai.usage.input_tokens", (b'"prompt_tokens":', b'"input_tokens":')),
+    ("gen_ai.usage.output_tokens", (b'"completion_tokens":', b'"output_tokens":')),
+)
+_COUNT = re.compile(rb"\s*(\d{1,12})[,}\s]")
 _MAX_FINISH_REASONS = 16
 _USAGE_WINDOW = 512  # bytes after the "usage" key that hold its token counts
 # The W3C traceparent, as the OpenTelemetry propagator reads it (a future version may add fields after the flags).
@@ -280,20 +279,32 @@ class RequestTrace:
         self._read(data)
 
     def _read(self, data: bytes) -> None:
-        if b'"finish_reason":"' in data or b'"finish_reason": "' in data:
-            reasons = self.finish_reasons
-            if reasons is None:
-                reasons = self.finish_reasons = []
-            for m in _FINISH.finditer(data):
+        """Finish reasons and token usage from a piece of the answer: each key found by ``bytes.find`` and its value
+        matched right there (no pattern scans the whole piece)."""
+        at = data.find(_FINISH_KEY)
+        while at >= 0:
+            # most stream events say "finish_reason":null: only a string is matched
+            m = None if data.startswith(b"null", at + len(_FINISH_KEY)) else _FINISH.match(data, at)
+            if m is not None:
+                reasons = self.finish_reasons
+                if reasons is None:
+                    reasons = self.finish_reasons = []
                 if len(reasons) < _MAX_FINISH_REASONS:
                     reasons.append(m.group(1).decode())
+            at = data.find(_FINISH_KEY, at + len(_FINISH_KEY))
         at = data.rfind(b'"usage"')  # a quote inside a JSON string is escaped: only the key matches
-        if at >= 0 and data.find(b"_tokens", at, at + _USAGE_WINDOW) >= 0:  # not "usage":null
-            usage = self.usage
-            if usage is None:
-                usage = self.usage = {}
-            for m in _USAGE.finditer(data, at, at + _USAGE_WINDOW):
-                usage[_USAGE_KEY[m.group(1)]] = int(m.group(2))
+        if at >= 0:  # each count under its first key found ("usage":null has none)
+            end = at + _USAGE_WINDOW
+            for name, keys in _USAGE_KEYS:
+                for key in keys:
+                    i = data.find(key, at, end)
+                    if i >= 0:
+                        m = _COUNT.match(data, i + len(key))
+                        if m is not None:
+                            if self.usage is None:
+                                self.usage = {}
+                            self.usage[name] = int(m.group(1))
+                            break
 
     def finish(
         self,
