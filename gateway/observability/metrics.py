@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.observability.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
+from gateway.observability.exemplars import ExemplarGate
 from gateway.observability.latency_window import LatencyWindow
 from gateway.observability.metrics_fleet import FleetMetrics
 from gateway.observability.metrics_workers import forget_dead_processes, forget_process
@@ -168,6 +169,7 @@ class GatewayMetrics(FleetMetrics):
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._exemplar_gate = ExemplarGate(LATENCY_BUCKETS)
         self._in_flight: dict[str, Any] = {}
         self._attempts: dict[tuple[str, str], Any] = {}
         self._routes: dict[tuple[str, str], Any] = {}
@@ -302,15 +304,21 @@ class GatewayMetrics(FleetMetrics):
             self._children[key] = children
         count, e2e, ttft, overhead = children
         count.inc()
-        exemplar = None if trace_id is None or self.shared_dir is not None else {"trace_id": trace_id}
-        e2e.observe(e2e_s, exemplar)
+        now = time.monotonic()
+        if trace_id is None or self.shared_dir is not None:
+            e2e.observe(e2e_s)
+            if ttft_s is not None:
+                ttft.observe(ttft_s)
+        else:  # at most one exemplar per bucket per second (``exemplars``)
+            gate, exemplar = self._exemplar_gate, {"trace_id": trace_id}
+            e2e.observe(e2e_s, exemplar if gate.due((e2e, 0), e2e_s, now) else None)
+            if ttft_s is not None:
+                ttft.observe(ttft_s, exemplar if gate.due((ttft, 1), ttft_s, now) else None)
         if outcome == "ok":
             window = self.latency_windows.get((cls, pool))
             if window is None:
                 window = self.latency_windows[(cls, pool)] = LatencyWindow()
-            window.add(time.monotonic(), e2e_s)
-        if ttft_s is not None:
-            ttft.observe(ttft_s, exemplar)
+            window.add(now, e2e_s)
         if overhead_s is not None:
             overhead.observe(overhead_s)
 
