@@ -2,11 +2,16 @@
 machine whose load drifts (other work on the same cores) shifts them all alike, which one target after the other
 does not. Each round starts with another target, so none is always the one measured first; the req/s ratio to the
 first target is the median over the rounds of the ratio within a round, so a burst of other work on the machine
-spoils one round's ratio, not the result. Each target's CPU per request comes from its process's /proc counters."""
+spoils one round's ratio, not the result. Each target's CPU per request comes from its process's /proc counters.
+
+After each measurement the target's process is let settle (``settle``: its CPU idle) before the next target runs:
+work a target defers past its own turn (a tracing gateway's export thread sending what it queued) would otherwise
+run during the next target's turn, slowing that one and not itself. Its CPU until it settles counts as its own."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,23 @@ class Turns(Generic[R]):
     samples: dict[str, list[R]]  # per target, one per round
     cpu_us: dict[str, float]  # per target: its process's CPU microseconds per request (where /proc tells)
     ratios: dict[str, float]  # per target: median over the rounds of its req/s over the first target's
+
+
+def settle(
+    pid: int, window_s: float = 0.1, limit_s: float = 5.0, read: Callable[[int], float | None] | None = None
+) -> None:
+    """Wait until process ``pid`` used at most one clock tick of CPU in ``window_s`` (or ``limit_s`` passed).
+    ``read``: its CPU seconds (``cpu_s``; tests)."""
+    read = cpu_s if read is None else read
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + limit_s
+    last = read(pid)
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = read(pid)
+        if now is None or now - last <= tick + 1e-9:
+            return
+        last = now
 
 
 def cpu_s(pid: int) -> float | None:
@@ -50,6 +72,7 @@ def in_turns(urls: dict[str, str], rounds: int, pids: dict[str, int], measure: C
         for target, url in order[i % len(order) :] + order[: i % len(order)]:
             before = cpu_s(pids[target])
             r = measure(url)
+            settle(pids[target])
             after = cpu_s(pids[target])
             samples[target].append(r)
             got[target] = r.rps

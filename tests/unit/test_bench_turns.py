@@ -29,3 +29,26 @@ def test_rounds_rotate_and_the_ratio_is_the_median() -> None:
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each round starts with the next target
     assert got.ratios == {"a": 1.0, "b": 0.9, "c": 0.8}
     assert [r.rps for r in got.samples["b"]] == [90.0, 10.0, 90.0]
+
+
+def test_settle_waits_until_the_process_stops_using_cpu() -> None:
+    """Its CPU counter still moving (deferred work after its turn): settle reads on until a window without a tick."""
+    from gateway.bench.turns import settle
+
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    readings = iter([0.0, 5 * tick, 9 * tick, 10 * tick, 10 * tick])
+    reads: list[float | None] = []
+
+    def read(pid: int) -> float | None:
+        value = next(readings, None)
+        reads.append(value)
+        return value
+
+    settle(1, window_s=0.0, limit_s=60.0, read=read)
+    assert reads == [0.0, 5 * tick, 9 * tick, 10 * tick]  # one tick in the last window: idle
+
+
+def test_settle_returns_for_a_process_that_is_gone() -> None:
+    from gateway.bench.turns import settle
+
+    settle(2**22 + 12345, limit_s=1.0)  # no such pid: /proc cannot tell, nothing to wait for
