@@ -16,12 +16,14 @@ whole prompt first. A prompt is kept under its length and its last ``CHUNK_CHARS
 only when the new prompt starts with its whole text (one ``str.startswith``, in C). A large body's prompt, rendered
 in a parsing process without its parts, is looked up whole only.
 
-Bounded: at most ``max_prompts`` prompts and ``max_chars`` characters of their texts (the texts are the rendered
-prompts themselves, kept alive); the least recently used goes first. Per process, event loop only.
+Bounded: at most ``max_prompts`` prompts and ``max_bytes`` of their texts (``sys.getsizeof``: the texts are the
+rendered prompts themselves, kept alive; their hashes take about 40 bytes a chunk more); the least recently used
+goes first. Per process, event loop only.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import accumulate
@@ -34,21 +36,21 @@ from gateway.routing.prompt_key import render_parts
 MAX_PROBES = 24  # part ends looked up for an earlier prompt (a turn with parallel tool calls adds ~5 a call)
 MAX_TEXT = CHUNK_CHARS * MAX_PROMPT_CHUNKS  # characters hashed at most (the rest of a prompt is ignored)
 DEFAULT_MAX_PROMPTS = 4096
-DEFAULT_MAX_CHARS = 8 << 20  # about 8 MB of texts and 5 MB of hashes
+DEFAULT_MAX_BYTES = 8 << 20  # of texts (and about 5 MB of hashes with them, for 1-byte characters)
 
 
 class PromptHashes:
     """The chunk hashes of rendered prompts, reusing those of a recent prompt the new one starts with (module
     docstring). Not thread-safe."""
 
-    __slots__ = ("_chars", "_recent", "hits", "max_chars", "max_prompts", "misses")
+    __slots__ = ("_bytes", "_recent", "hits", "max_bytes", "max_prompts", "misses")
 
-    def __init__(self, max_prompts: int = DEFAULT_MAX_PROMPTS, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+    def __init__(self, max_prompts: int = DEFAULT_MAX_PROMPTS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_prompts = max(1, max_prompts)
-        self.max_chars = max(CHUNK_CHARS, max_chars)
+        self.max_bytes = max(1, max_bytes)
         # (length, last CHUNK_CHARS characters) -> (text, its chunk hashes), least recently used first
         self._recent: OrderedDict[tuple[int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
-        self._chars = 0
+        self._bytes = 0
         self.hits = 0  # prompts that found an earlier one (whole or a start), cumulative
         self.misses = 0
 
@@ -56,9 +58,9 @@ class PromptHashes:
         return len(self._recent)
 
     @property
-    def chars(self) -> int:
-        """Characters of the kept texts."""
-        return self._chars
+    def size(self) -> int:
+        """Bytes of the kept texts (``sys.getsizeof``)."""
+        return self._bytes
 
     def of_request(self, endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, ...]:
         """``prompt_chunks(endpoint, body)``: the chained chunk hashes of the request's rendered prompt."""
@@ -116,15 +118,16 @@ class PromptHashes:
         recent = self._recent
         old = recent.pop(key, None)
         if old is not None:
-            self._chars -= len(old[0])
-        if len(text) > self.max_chars:
+            self._bytes -= sys.getsizeof(old[0])
+        size = sys.getsizeof(text)
+        if size > self.max_bytes:
             return
         recent[key] = (text, hashes)
-        self._chars += len(text)
-        while len(recent) > self.max_prompts or self._chars > self.max_chars:
+        self._bytes += size
+        while len(recent) > self.max_prompts or self._bytes > self.max_bytes:
             _, (gone, _) = recent.popitem(last=False)
-            self._chars -= len(gone)
+            self._bytes -= sys.getsizeof(gone)
 
     def clear(self) -> None:
         self._recent.clear()
-        self._chars = 0
+        self._bytes = 0

@@ -1,10 +1,11 @@
 """The recent prompts' chunk hashes (``gateway.routing.prompt_hashes``): always the hashes of the whole rendered
-prompt, reused for a prompt that repeats or extends a kept one, bounded in prompts and characters, least recently
+prompt, reused for a prompt that repeats or extends a kept one, bounded in prompts and bytes, least recently
 used first out."""
 
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 from hypothesis import given, settings
@@ -96,7 +97,7 @@ def test_a_kept_prompt_of_the_same_length_and_end_but_another_start_is_not_taken
     assert hashes.of_text(a) == chain_hashes(a)
     assert hashes.of_text(b) == chain_hashes(b)  # same key, other text: hashed, and replaces the kept one
     assert len(hashes) == 1
-    assert hashes.chars == len(b)
+    assert hashes.size == sys.getsizeof(b)
 
 
 def test_the_earlier_prompt_is_looked_up_at_the_last_parts_only() -> None:
@@ -113,8 +114,10 @@ def test_the_earlier_prompt_is_looked_up_at_the_last_parts_only() -> None:
     assert hashes.hits == 1
 
 
-def test_memory_is_bounded_in_prompts_and_characters_least_recent_out_first() -> None:
-    hashes = PromptHashes(max_prompts=3, max_chars=10 * CHUNK_CHARS)
+def test_memory_is_bounded_in_prompts_and_bytes_least_recent_out_first() -> None:
+    small = sys.getsizeof("a" * 2 * CHUNK_CHARS)
+    bound = 5 * small
+    hashes = PromptHashes(max_prompts=3, max_bytes=bound)
     texts = [chr(ord("a") + i) * (2 * CHUNK_CHARS) for i in range(5)]
     for t in texts[:3]:
         hashes.of_text(t)
@@ -122,17 +125,27 @@ def test_memory_is_bounded_in_prompts_and_characters_least_recent_out_first() ->
     hashes.of_text(texts[3])  # the fourth prompt: the least recent (texts[1]) goes
     assert len(hashes) == 3
     assert hashes.of_text(texts[1])
-    assert hashes.misses == 5
+    assert hashes.misses == 5  # hashed again (it was gone); texts[2] goes
     hits = hashes.hits
     hashes.of_text(texts[0])
     assert hashes.hits == hits + 1  # still kept
-    big = "z" * (9 * CHUNK_CHARS)
-    hashes.of_text(big)  # over the characters left: the others go until it fits
-    assert hashes.chars <= 10 * CHUNK_CHARS
+    big = "z" * (12 * CHUNK_CHARS)
+    hashes.of_text(big)  # over the bytes left: the others go until it fits
+    assert hashes.size == sys.getsizeof(big) <= bound
     assert len(hashes) == 1
-    huge = "h" * (11 * CHUNK_CHARS)
+    huge = "h" * (14 * CHUNK_CHARS)
     assert hashes.of_text(huge) == chain_hashes(huge)  # larger than the bound: hashed, not kept
-    assert hashes.chars <= 10 * CHUNK_CHARS
+    assert hashes.size == sys.getsizeof(big)
+
+
+def test_wide_characters_count_by_their_bytes() -> None:
+    hashes = PromptHashes()
+    wide = "\U0001f600" * (3 * CHUNK_CHARS)  # four bytes a character
+    assert hashes.of_text(wide) == chain_hashes(wide)
+    assert hashes.size == sys.getsizeof(wide) > 4 * len(wide)
+    hashes.clear()
+    assert hashes.size == 0
+    assert len(hashes) == 0
 
 
 def test_a_prompt_over_the_hashed_length_is_cut_as_chain_hashes_cuts_it() -> None:
@@ -141,7 +154,7 @@ def test_a_prompt_over_the_hashed_length_is_cut_as_chain_hashes_cuts_it() -> Non
     got = hashes.of_text(text)
     assert len(got) == MAX_PROMPT_CHUNKS
     assert got == chain_hashes(text)
-    assert hashes.chars == CHUNK_CHARS * MAX_PROMPT_CHUNKS
+    assert hashes.size == sys.getsizeof(text[: CHUNK_CHARS * MAX_PROMPT_CHUNKS])
 
 
 @settings(max_examples=40, deadline=None)
@@ -149,14 +162,14 @@ def test_a_prompt_over_the_hashed_length_is_cut_as_chain_hashes_cuts_it() -> Non
     seeds=st.lists(st.integers(0, 30), min_size=1, max_size=12),
     turns=st.lists(st.integers(0, 5), min_size=1, max_size=12),
     max_prompts=st.integers(1, 6),
-    max_chars=st.integers(CHUNK_CHARS, 40 * CHUNK_CHARS),
+    max_bytes=st.integers(CHUNK_CHARS, 40 * CHUNK_CHARS),
 )
 def test_the_hashes_are_always_those_of_the_whole_prompt(
-    seeds: list[int], turns: list[int], max_prompts: int, max_chars: int
+    seeds: list[int], turns: list[int], max_prompts: int, max_bytes: int
 ) -> None:
-    hashes = PromptHashes(max_prompts=max_prompts, max_chars=max_chars)
+    hashes = PromptHashes(max_prompts=max_prompts, max_bytes=max_bytes)
     for seed, turn in zip(seeds, turns, strict=False):
         body = conversation(seed, 6)[turn]
         assert hashes.of_request("chat", body) == prompt_chunks("chat", body)
         assert len(hashes) <= max_prompts
-        assert hashes.chars <= max_chars
+        assert hashes.size <= max_bytes
