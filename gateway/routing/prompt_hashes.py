@@ -43,13 +43,14 @@ class PromptHashes:
     """The chunk hashes of rendered prompts, reusing those of a recent prompt the new one starts with (module
     docstring). Not thread-safe."""
 
-    __slots__ = ("_bytes", "_recent", "hits", "max_bytes", "max_prompts", "misses")
+    __slots__ = ("_bytes", "_lengths", "_recent", "hits", "max_bytes", "max_prompts", "misses")
 
     def __init__(self, max_prompts: int = DEFAULT_MAX_PROMPTS, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_prompts = max(1, max_prompts)
         self.max_bytes = max(1, max_bytes)
         # (length, last CHUNK_CHARS characters) -> (text, its chunk hashes), least recently used first
         self._recent: OrderedDict[tuple[int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # kept prompts by length: an end no kept prompt has is not looked up
         self._bytes = 0
         self.hits = 0  # prompts that found an earlier one (whole or a start), cumulative
         self.misses = 0
@@ -96,7 +97,7 @@ class PromptHashes:
     def _earlier(self, text: str, parts: list[str]) -> tuple[int, ...]:
         """The hashes of the longest kept prompt that ``text`` starts with and that ends where one of its last
         ``MAX_PROBES`` parts ends (empty: none)."""
-        recent = self._recent
+        recent, lengths = self._recent, self._lengths
         ends = list(accumulate(map(len, parts)))
         last = len(text)
         probes = 0
@@ -107,6 +108,8 @@ class PromptHashes:
                 break
             last = end
             probes += 1
+            if end not in lengths:
+                continue
             key = (end, text[end - CHUNK_CHARS : end])
             got = recent.get(key)
             if got is not None and text.startswith(got[0]):
@@ -118,16 +121,26 @@ class PromptHashes:
         recent = self._recent
         old = recent.pop(key, None)
         if old is not None:
-            self._bytes -= sys.getsizeof(old[0])
+            self._forget(old[0])
         size = sys.getsizeof(text)
         if size > self.max_bytes:
             return
         recent[key] = (text, hashes)
         self._bytes += size
+        self._lengths[len(text)] = self._lengths.get(len(text), 0) + 1
         while len(recent) > self.max_prompts or self._bytes > self.max_bytes:
             _, (gone, _) = recent.popitem(last=False)
-            self._bytes -= sys.getsizeof(gone)
+            self._forget(gone)
+
+    def _forget(self, text: str) -> None:
+        self._bytes -= sys.getsizeof(text)
+        n = self._lengths[len(text)] - 1
+        if n:
+            self._lengths[len(text)] = n
+        else:
+            del self._lengths[len(text)]
 
     def clear(self) -> None:
         self._recent.clear()
+        self._lengths.clear()
         self._bytes = 0

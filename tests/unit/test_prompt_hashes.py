@@ -173,3 +173,15 @@ def test_the_hashes_are_always_those_of_the_whole_prompt(
         assert hashes.of_request("chat", body) == prompt_chunks("chat", body)
         assert len(hashes) <= max_prompts
         assert hashes.size <= max_bytes
+
+
+def test_the_kept_lengths_follow_the_kept_prompts() -> None:
+    hashes = PromptHashes(max_prompts=2)
+    texts = ["a" * 100, "b" * 100, "c" * 200]
+    for t in texts:
+        hashes.of_text(t)
+    assert hashes._lengths == {100: 1, 200: 1}  # "a" went
+    hashes.of_text("d" * 200)
+    assert hashes._lengths == {200: 2}
+    hashes.clear()
+    assert hashes._lengths == {}
