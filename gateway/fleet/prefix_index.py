@@ -33,12 +33,15 @@ MIN_SCALE = 0.125  # the measured correction never shrinks an index below this s
 MIN_PREDICTED_FOR_CORRECTION = 4096  # predicted hit tokens between two scrapes before the counters correct anything
 
 
-def chain_hashes(text: str) -> tuple[int, ...]:
+def chain_hashes(text: str, start: int = 0, parent: int = 0) -> tuple[int, ...]:
     """The chain of chunk hashes of a rendered prompt (whole chunks only, at most ``MAX_PROMPT_CHUNKS``). One
-    comprehension, no loop body in Python: it runs on every request of a class with a controller."""
+    comprehension, no loop body in Python: it runs on every request of a class with a controller. ``start`` and
+    ``parent``: the hashes from chunk ``start`` on, chained to ``parent`` (the hash of chunk ``start - 1``), for a
+    prompt whose first ``start`` chunks were hashed before (``gateway.routing.prompt_hashes``)."""
     end = min(len(text) // CHUNK_CHARS, MAX_PROMPT_CHUNKS) * CHUNK_CHARS
-    parent = 0
-    return tuple([(parent := hash((parent, text[i : i + CHUNK_CHARS]))) for i in range(0, end, CHUNK_CHARS)])
+    return tuple(
+        [(parent := hash((parent, text[i : i + CHUNK_CHARS]))) for i in range(start * CHUNK_CHARS, end, CHUNK_CHARS)]
+    )
 
 
 class PrefixIndex:
@@ -47,6 +50,7 @@ class PrefixIndex:
 
     __slots__ = (
         "_chunks",
+        "_last",
         "_since_scrape",
         "base_capacity",
         "live_chunks",
@@ -58,6 +62,7 @@ class PrefixIndex:
 
     def __init__(self, capacity_chunks: int = 16384, max_chunks: int | None = None) -> None:
         self._chunks: OrderedDict[int, None] = OrderedDict()
+        self._last: tuple[int, ...] = ()  # the prompt recorded last: its chunks are the most recent, in order
         self.max_chunks = max(1, capacity_chunks if max_chunks is None else max_chunks)
         self.base_capacity = max(1, min(capacity_chunks, self.max_chunks))
         self.source = "default"  # where base_capacity comes from: default | scraped
@@ -91,16 +96,24 @@ class PrefixIndex:
     def record(self, chunks: Sequence[int]) -> int:
         """The prompt was sent here: its chunks become the most recent (its first chunk last of all). Returns how
         many of them were warm before (the predicted hit, in chunks)."""
-        warm = self.match(chunks)
-        held = self._chunks
-        # the warm chunks are the first ``warm`` ones (the present ones are a prefix), the rest are new: the new
-        # ones enter last first, then the warm ones move to the end last first (the order one loop would leave)
-        if warm < len(chunks):
-            held.update(dict.fromkeys(reversed(chunks[warm:])))
-        move = held.move_to_end
-        for h in reversed(chunks[:warm]):
-            move(h)
-        self._evict()
+        n, last = len(chunks), self._last
+        if chunks is last or (n <= len(last) and n and last[n - 1] == chunks[n - 1] and last[:n] == chunks):
+            # the start of the prompt recorded last (a repeat): its chunks are the most recent already, in the
+            # order the loop below would leave them; nothing moves
+            warm = n
+        else:
+            warm = self.match(chunks)
+            held = self._chunks
+            # the warm chunks are the first ``warm`` ones (the present ones are a prefix), the rest are new: the new
+            # ones enter last first, then the warm ones move to the end last first (the order one loop would leave)
+            if warm < n:
+                held.update(dict.fromkeys(reversed(chunks[warm:])))
+            move = held.move_to_end
+            for h in reversed(chunks[:warm]):
+                move(h)
+            self._last = tuple(chunks)
+            if warm < n:
+                self._evict()
         self.predicted_chunks += warm
         self._since_scrape += warm
         return warm
@@ -108,6 +121,7 @@ class PrefixIndex:
     def clear(self) -> None:
         """The server restarted (or reset its cache): nothing is warm any more."""
         self._chunks.clear()
+        self._last = ()
         self._since_scrape = 0
 
     def configure(self, default_chunks: int, max_chunks: int) -> None:
@@ -147,5 +161,9 @@ class PrefixIndex:
 
     def _evict(self) -> None:
         held, cap = self._chunks, self.capacity
+        if len(held) <= cap:
+            return
         while len(held) > cap:
             held.popitem(last=False)
+        if len(held) < len(self._last):  # the last prompt lost chunks: no longer whole at the end
+            self._last = ()

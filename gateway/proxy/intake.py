@@ -20,7 +20,6 @@ from starlette.types import Scope
 
 from gateway.errors import BadRequest
 from gateway.fleet.pools import PoolState
-from gateway.fleet.prefix_index import chain_hashes
 from gateway.observability.acceptance import temperature_band
 from gateway.observability.tracing import RequestTrace
 from gateway.proxy.body_read import read_json
@@ -37,7 +36,6 @@ from gateway.proxy.responses import Sticky, for_create
 from gateway.routing.classify import TASK_HEADER
 from gateway.routing.decision import Decision, decide
 from gateway.routing.plan import Plan
-from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.tenants import PRIORITY_HEADER, TenantState, Ticket
@@ -76,8 +74,18 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
     decided_ns = time.time_ns() if trace is not None else 0
     texts = None if view is None else view.read_texts
     # a large body's prompt was rendered where it was parsed (``body`` holds stand-ins): hashed here, once
-    hashes = None if view is None or not view.prompt else chain_hashes(view.prompt)
-    d = decide(live, rt.routing, route.endpoint, body, hdr.get(TASK_HEADER), rt.rng, texts=texts, prompt=hashes)
+    hashes = None if view is None or not view.prompt else rt.prompt_hashes.of_text(view.prompt)
+    d = decide(
+        live,
+        rt.routing,
+        route.endpoint,
+        body,
+        hdr.get(TASK_HEADER),
+        rt.rng,
+        texts=texts,
+        prompt=hashes,
+        hashes=rt.prompt_hashes,
+    )
     rec.traffic_class, plan, stream, max_attempts = d.traffic_class, d.plan, d.stream, d.max_attempts
     if d.features is not None:
         rec.task_type, rec.stream = d.features.task_type, d.features.stream
@@ -135,7 +143,9 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
     elif d.prompt is not None:  # hashed by the decision (a controlled class: warm homes)
         prompt = d.prompt
     elif route.endpoint is not None and _affinity_on(live.pools, plan.pools):
-        prompt = prompt_chunks(route.endpoint, body) if view is None else chain_hashes(view.prompt)
+        prompt = (
+            rt.prompt_hashes.of_request(route.endpoint, body) if view is None else rt.prompt_hashes.of_text(view.prompt)
+        )
     return ProxyJob(
         path=path,
         body=raw,

@@ -16,6 +16,7 @@ from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
 from gateway.routing.classify import Classifier, Endpoint, RequestFeatures, Texts
 from gateway.routing.plan import Plan, PoolView, plan_route
+from gateway.routing.prompt_hashes import PromptHashes
 from gateway.routing.prompt_key import continues, prompt_chunks
 from gateway.routing.routing_state import RouteChoice, RoutingState
 
@@ -82,14 +83,16 @@ def decide(
     texts: Callable[[], Texts] | None = None,
     prompt: tuple[int, ...] | None = None,
     weigh_all: bool = False,
+    hashes: PromptHashes | None = None,
 ) -> Decision:
     """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
     serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
     texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk); ``prompt``: its
-    chunk hashes, taken from the rendering made there. ``weigh_all``: the pools' warmth is weighed (and the warm
-    home's verdict kept in the plan) for a request that cannot go to a warm home too (explain shows it); else only
-    for one that continues a conversation."""
+    chunk hashes, taken from the rendering made there; ``hashes``: the process's recent prompts, whose hashes a
+    prompt hashed here reuses (``gateway.routing.prompt_hashes``; None: hashed whole). ``weigh_all``: the pools'
+    warmth is weighed (and the warm home's verdict kept in the plan) for a request that cannot go to a warm home too
+    (explain shows it); else only for one that continues a conversation."""
     if endpoint is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
@@ -107,7 +110,7 @@ def decide(
             c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
         )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
-    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt, weigh_all)
+    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt, weigh_all, hashes)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
@@ -144,6 +147,7 @@ def _warmth(
     choice: RouteChoice | None,
     hashed: tuple[int, ...] | None = None,
     weigh_all: bool = False,
+    hashes: PromptHashes | None = None,
 ) -> tuple[tuple[int, ...] | None, dict[str, int] | None, bool]:
     """For a class with a controller whose pools have prefix affinity on: the prompt's chunk hashes (the attempts
     record them, so that the next turn finds its prefix), whether the request continues a conversation (it may go
@@ -155,7 +159,10 @@ def _warmth(
     pools = [p for _, name in choice.pools if (p := live.pools.get(name)) is not None]
     if not any(p.affinity.enabled for p in pools):
         return None, None, False
-    prompt = prompt_chunks(endpoint, body) if hashed is None else hashed
+    if hashed is not None:
+        prompt = hashed
+    else:
+        prompt = prompt_chunks(endpoint, body) if hashes is None else hashes.of_request(endpoint, body)
     if not prompt:
         return prompt, None, False
     eligible = continues(endpoint, body)

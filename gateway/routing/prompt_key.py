@@ -95,8 +95,9 @@ def _responses(body: Mapping[str, Any], out: list[str]) -> None:
         out.append(_SEP + (kind if isinstance(kind, str) else "") + _ROLE + text)
 
 
-def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
-    """The request's prompt as one text ('' when it has none the index can use)."""
+def render_parts(endpoint: Endpoint, body: Mapping[str, Any]) -> list[str]:
+    """The request's prompt as the parts ``render_prompt`` joins (none when it has none the index can use): the
+    end of each part is where an earlier, shorter prompt of the same conversation may end."""
     model = body.get("model")
     out: list[str] = [model if isinstance(model, str) else ""]
     if endpoint == "completions":
@@ -104,9 +105,9 @@ def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            return ""
+            return []
         out.append(_SEP + prompt)
-        return "".join(out)
+        return out
     tools = body.get("tools")
     if tools:
         out.append(_SEP + "tools" + _ROLE + _dumps(tools))
@@ -114,7 +115,12 @@ def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
         _chat(body, out)
     else:
         _responses(body, out)
-    return "".join(out)
+    return out
+
+
+def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
+    """The request's prompt as one text ('' when it has none the index can use)."""
+    return "".join(render_parts(endpoint, body))
 
 
 def continues(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:

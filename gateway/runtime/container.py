@@ -40,6 +40,7 @@ from gateway.periodic import cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
+from gateway.routing.prompt_hashes import PromptHashes
 from gateway.routing.routing_state import ProbeChange, RoutingState
 from gateway.runtime.detached import DetachedBudget
 from gateway.runtime.live import LiveConfig
@@ -122,6 +123,8 @@ class Runtime:
             on_transition=self._audit_transition,
             on_probe=self._audit_probe,
         )
+        # The chunk hashes of the latest prompts: a prompt that repeats or extends one hashes only its new part.
+        self.prompt_hashes = PromptHashes()
         self.scraper = Scraper(
             lambda: self.live.pools.values(),
             lambda: self.live.rules.scrape,
