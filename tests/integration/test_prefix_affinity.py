@@ -27,7 +27,10 @@ def system_prompt(i: int) -> str:
 def start(fake: Fake, gateway: Gateway) -> ServerThread:
     spec = [fake(f"spec{i}") for i in range(2)]
     std = [fake(f"std{i}") for i in range(2)]
-    gw = gateway(rules_for([s.url for s in spec], [s.url for s in std]))
+    # Scrapes far apart with a long timeout: on a loaded machine the in-process fakes can be slow to answer /health
+    # while sixteen requests are held, and an endpoint marked down would turn these tests' answers into 503s.
+    rules = rules_for([s.url for s in spec], [s.url for s in std], scrape={"interval_s": 30, "timeout_s": 10})
+    gw = gateway(rules)
     gw.app.state.runtime.rng.seed(7)  # type: ignore[attr-defined]  # the cold picks: the same draws every run
     return gw
 
