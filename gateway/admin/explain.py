@@ -51,7 +51,7 @@ from gateway.fleet.pools import PoolState
 from gateway.fleet.prefix_index import TOKENS_PER_CHUNK
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing import overload
-from gateway.routing.classify import TASK_HEADER, Endpoint
+from gateway.routing.classify import TASK_HEADER, ApiKind
 from gateway.routing.decision import Decision, decide
 from gateway.routing.fairshare import share_of
 from gateway.routing.ownership import is_saturated
@@ -61,7 +61,7 @@ from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 
 # The client paths explain covers, and the classifier's endpoint for each (None: embeddings, not classified).
-ENDPOINTS: Mapping[str, Endpoint | None] = MappingProxyType(
+ENDPOINTS: Mapping[str, ApiKind | None] = MappingProxyType(
     {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
@@ -73,7 +73,7 @@ DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
 TENANT_HEADER = "x-specgate-tenant"  # explain only: the tenant to explain for (the admin request has no client key)
 
 
-def endpoint_for(path: str) -> Endpoint | None:
+def endpoint_for(path: str) -> ApiKind | None:
     if path not in ENDPOINTS:
         raise InvalidParameter(f"explain covers the paths {', '.join(ENDPOINTS)}; got {path!r}", param="path")
     return ENDPOINTS[path]
@@ -333,11 +333,11 @@ def _warm_home(d: Decision) -> dict[str, Any] | None:
     return {**out, "drawn_pool": w.drawn_pool, "pool": w.pool, "verdict": w.verdict, "note": note}
 
 
-def _follow_up(endpoint: Endpoint | None, body: Mapping[str, Any]) -> bool:
+def _follow_up(endpoint: ApiKind | None, body: Mapping[str, Any]) -> bool:
     return endpoint == "responses" and isinstance(body.get("previous_response_id"), str)
 
 
-def _stateful(endpoint: Endpoint | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
+def _stateful(endpoint: ApiKind | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """A Responses API request's state on the pools: where its answer is recorded, and a follow-up's pin."""
     if endpoint != "responses":
         return None

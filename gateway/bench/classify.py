@@ -25,7 +25,7 @@ import orjson
 from gateway.bench.load import percentile
 from gateway.config.loader import load_rules_file
 from gateway.config.schema import RoutingRules
-from gateway.routing.classify import Classifier, Endpoint
+from gateway.routing.classify import ApiKind, Classifier
 
 _FILLER = (
     "the of and to in is that for it as with was on be by this are from at or an have not which but all can more "
@@ -121,7 +121,7 @@ def _us(ns: float) -> str:
 class BenchRequest:
     """One generated request: the parsed body and the same body as the JSON bytes a client would send."""
 
-    endpoint: Endpoint
+    endpoint: ApiKind
     body: dict[str, Any]
     raw: bytes
     task_header: str | None
@@ -210,7 +210,7 @@ def make_requests(rules: RoutingRules, n: int, seed: int = 0) -> list[BenchReque
     out: list[BenchRequest] = []
     for _ in range(n):
         model = rng.choice(models)
-        endpoint: Endpoint = "chat" if rng.random() < 0.9 else "completions"
+        endpoint: ApiKind = "chat" if rng.random() < 0.9 else "completions"
         body = _chat_body(rng, model) if endpoint == "chat" else _completion_body(rng, model)
         header = rng.choice(("code", "summarization", "Creative")) if rng.random() < 0.05 else None
         out.append(BenchRequest(endpoint, body, orjson.dumps(body), header))

@@ -19,7 +19,7 @@ from gateway.fleet.pools import PoolState
 from gateway.proxy.body_view import BodyView, Refusal, ViewRequest, summarize
 from gateway.proxy.http import parse_object
 from gateway.proxy.json_depth import bracket_count, check_json_containers, check_json_depth, check_json_text
-from gateway.routing.classify import Endpoint
+from gateway.routing.classify import ApiKind
 from gateway.runtime.parse_pool import ParsePool
 
 # Bodies longer than this, or with more brackets, are parsed off the event loop. Tiny containers are what take
@@ -39,7 +39,7 @@ async def read_json(
     raw: bytes,
     settings: Settings,
     pool: ParsePool | None,
-    endpoint: Endpoint | None,
+    endpoint: ApiKind | None,
     *,
     scan_chars: int,
     fingerprint: tuple[str, str] | None,

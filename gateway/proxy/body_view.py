@@ -33,7 +33,7 @@ from gateway.fleet.prefix_index import CHUNK_CHARS, MAX_PROMPT_CHUNKS
 from gateway.proxy.http import parse_object
 from gateway.proxy.idempotency import fingerprint
 from gateway.proxy.json_depth import check_json_containers, check_json_depth
-from gateway.routing.classify import Endpoint, Texts, request_texts, window
+from gateway.routing.classify import ApiKind, Texts, request_texts, window
 from gateway.routing.prompt_key import render_prompt
 
 HEAD_MEMBER_BYTES = 16 * 1024  # a top-level member whose JSON is longer is bulk: a stand-in in ``head``
@@ -49,7 +49,7 @@ _READ_INSIDE = frozenset({"type", "format", "effort", "include_usage", "continuo
 class ViewRequest:
     """What ``summarize`` needs besides the bytes: the route's request shape and the limits in force."""
 
-    endpoint: Endpoint | None
+    endpoint: ApiKind | None
     max_depth: int
     max_containers: int
     scan_chars: int  # the task rules' window (``Classifier.scan_chars``)

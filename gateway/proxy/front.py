@@ -28,7 +28,7 @@ from gateway.proxy.idempotency import KEY_HEADER, KeyClaim
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.outcome import outcome_of
 from gateway.proxy.record import RequestRecord
-from gateway.routing.classify import TASK_HEADER, Endpoint
+from gateway.routing.classify import TASK_HEADER, ApiKind
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 from gateway.runtime.tenants import PRIORITY_HEADER, Ticket
@@ -95,7 +95,7 @@ class ProxyRoute:
     POSTs, the YAML's embeddings pool answers), and the route's own part of the front half."""
 
     path: str
-    endpoint: Endpoint | None
+    endpoint: ApiKind | None
     prepare: Prepare
 
 

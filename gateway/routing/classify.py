@@ -20,7 +20,8 @@ from gateway.errors import InvalidParameter
 from gateway.routing.responses_features import format_type, responses_inputs, responses_texts
 from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
 
-Endpoint = Literal["chat", "completions", "responses"]
+# Which OpenAI API a request came through (its body shape); not a pool's endpoint (``config.pool.Endpoint``).
+ApiKind = Literal["chat", "completions", "responses"]
 TaskSource = Literal["header", "rule", "default"]
 TASK_HEADER = "x-task-type"
 _TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -30,7 +31,7 @@ _TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 class RequestFeatures:
     """What the router knows about one request. ``max_tokens`` is +inf when the client set no limit."""
 
-    endpoint: Endpoint
+    endpoint: ApiKind
     model: str
     temperature: float
     top_p: float
@@ -148,7 +149,7 @@ def _n_of(body: Mapping[str, Any]) -> int:
     raise InvalidParameter("'n' must be an integer", param="n")
 
 
-def request_texts(endpoint: Endpoint, body: Mapping[str, Any]) -> Texts:
+def request_texts(endpoint: ApiKind, body: Mapping[str, Any]) -> Texts:
     """The texts of a request's prompt. Raises ``InvalidParameter`` when the prompt's fields have the wrong shape."""
     if endpoint == "chat":
         return _chat_texts(body)
@@ -280,7 +281,7 @@ class Classifier:
 
     def features(
         self,
-        endpoint: Endpoint,
+        endpoint: ApiKind,
         body: Mapping[str, Any],
         task_header: str | None = None,
         texts: Callable[[], Texts] | None = None,
@@ -361,7 +362,7 @@ class Classifier:
 
     def classify(
         self,
-        endpoint: Endpoint,
+        endpoint: ApiKind,
         body: Mapping[str, Any],
         task_header: str | None = None,
         texts: Callable[[], Texts] | None = None,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from gateway.config.schema import RoutingRules, TrafficClass
 from gateway.errors import ModelNotFound, RouteNotFound
 from gateway.fleet.pools import PoolState
-from gateway.routing.classify import Classifier, Endpoint, RequestFeatures, Texts
+from gateway.routing.classify import ApiKind, Classifier, RequestFeatures, Texts
 from gateway.routing.plan import Plan, PoolView, plan_route
 from gateway.routing.prompt_hashes import PromptHashes
 from gateway.routing.prompt_key import continues, prompt_chunks
@@ -74,7 +74,7 @@ def not_found(model: object, served: Collection[str]) -> str:
 def decide(
     live: RoutingInputs,
     routing: RoutingState,
-    endpoint: Endpoint | None,
+    endpoint: ApiKind | None,
     body: Mapping[str, Any],
     task_header: str | None,
     rng: random.Random,
@@ -142,7 +142,7 @@ def decide(
 
 def _warmth(
     live: RoutingInputs,
-    endpoint: Endpoint,
+    endpoint: ApiKind,
     body: Mapping[str, Any],
     choice: RouteChoice | None,
     hashed: tuple[int, ...] | None = None,

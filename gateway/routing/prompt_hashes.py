@@ -30,7 +30,7 @@ from itertools import accumulate
 from typing import Any
 
 from gateway.fleet.prefix_index import CHUNK_CHARS, MAX_PROMPT_CHUNKS, chain_hashes
-from gateway.routing.classify import Endpoint
+from gateway.routing.classify import ApiKind
 from gateway.routing.prompt_key import render_parts
 
 MAX_PROBES = 24  # part ends looked up for an earlier prompt (a turn with parallel tool calls adds ~5 a call)
@@ -63,7 +63,7 @@ class PromptHashes:
         """Bytes of the kept texts (``sys.getsizeof``)."""
         return self._bytes
 
-    def of_request(self, endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, ...]:
+    def of_request(self, endpoint: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
         """``prompt_chunks(endpoint, body)``: the chained chunk hashes of the request's rendered prompt."""
         parts = render_parts(endpoint, body)
         return self._hashes("".join(parts), parts)

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from gateway.fleet.prefix_index import chain_hashes
-from gateway.routing.classify import Endpoint
+from gateway.routing.classify import ApiKind
 
 _SEP = "\x1e"  # between messages
 _ROLE = "\x1f"  # between a role and its text
@@ -95,7 +95,7 @@ def _responses(body: Mapping[str, Any], out: list[str]) -> None:
         out.append(_SEP + (kind if isinstance(kind, str) else "") + _ROLE + text)
 
 
-def render_parts(endpoint: Endpoint, body: Mapping[str, Any]) -> list[str]:
+def render_parts(endpoint: ApiKind, body: Mapping[str, Any]) -> list[str]:
     """The request's prompt as the parts ``render_prompt`` joins (none when it has none the index can use): the
     end of each part is where an earlier, shorter prompt of the same conversation may end."""
     model = body.get("model")
@@ -118,12 +118,12 @@ def render_parts(endpoint: Endpoint, body: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def render_prompt(endpoint: Endpoint, body: Mapping[str, Any]) -> str:
+def render_prompt(endpoint: ApiKind, body: Mapping[str, Any]) -> str:
     """The request's prompt as one text ('' when it has none the index can use)."""
     return "".join(render_parts(endpoint, body))
 
 
-def continues(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+def continues(endpoint: ApiKind, body: Mapping[str, Any]) -> bool:
     """The request continues a conversation: its prompt carries an earlier turn's answer (a chat ``assistant`` or
     ``tool`` message; a Responses API input item that is not a user, system or developer message, or a
     ``previous_response_id``). A completions prompt cannot tell: False. Only such a request may go to its warm home
@@ -144,6 +144,6 @@ def continues(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
     return False
 
 
-def prompt_chunks(endpoint: Endpoint, body: Mapping[str, Any]) -> tuple[int, ...]:
+def prompt_chunks(endpoint: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The chained chunk hashes of the request's rendered prompt (empty: nothing to match)."""
     return chain_hashes(render_prompt(endpoint, body))

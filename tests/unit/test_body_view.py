@@ -24,7 +24,7 @@ from gateway.proxy.idempotency import fingerprint
 from gateway.proxy.json_depth import check_json_containers
 from gateway.proxy.owned_ids import with_response_id, without_request_id
 from gateway.proxy.stream_tap import with_include_usage
-from gateway.routing.classify import Classifier, Endpoint
+from gateway.routing.classify import ApiKind, Classifier
 from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.parse_pool import ParsePool
 from tests.unit.test_classify import RULES_YAML
@@ -41,7 +41,7 @@ TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(3000)]}}}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 40_000}}
 
-BODIES: list[tuple[Endpoint, dict[str, Any]]] = [
+BODIES: list[tuple[ApiKind, dict[str, Any]]] = [
     ("chat", {"model": "m", "messages": many(3000), "temperature": 0.2, "max_tokens": 9}),
     ("chat", {"model": "m", "messages": [{"role": "system", "content": "x" * 50_000 + " python"}, *many(2000)]}),
     ("chat", {"model": "m", "stream": True, "messages": many(2000), "tools": TOOLS, "request_id": "client-id"}),
@@ -65,7 +65,7 @@ BODIES: list[tuple[Endpoint, dict[str, Any]]] = [
     ("responses", {"model": "m", "input": [{"type": "function_call_output", "output": "z" * 30_000}] * 3}),
 ]
 # Bodies with a client error: the same error (status, message, param) both ways, in the same order of checks.
-BAD: list[tuple[Endpoint, dict[str, Any]]] = [
+BAD: list[tuple[ApiKind, dict[str, Any]]] = [
     ("chat", {"model": "m", "messages": [*many(2000), "not an object"]}),
     ("chat", {"model": "m", "messages": []}),
     ("chat", {"model": 5, "messages": [*many(2000), 7]}),  # the model's error comes first, as in the loop's path
@@ -77,14 +77,14 @@ BAD: list[tuple[Endpoint, dict[str, Any]]] = [
 ]
 
 
-def view_of(endpoint: Endpoint, raw: bytes, *, fp: tuple[str, str] | None = None) -> BodyView:
+def view_of(endpoint: ApiKind, raw: bytes, *, fp: tuple[str, str] | None = None) -> BodyView:
     got = summarize(raw, ViewRequest(endpoint, fingerprint=fp, prompt=True, **LIMITS))
     assert isinstance(got, BodyView), got
     return got
 
 
 @pytest.mark.parametrize(("endpoint", "body"), BODIES)
-def test_a_view_decides_and_forwards_as_the_parsed_body(endpoint: Endpoint, body: dict[str, Any]) -> None:
+def test_a_view_decides_and_forwards_as_the_parsed_body(endpoint: ApiKind, body: dict[str, Any]) -> None:
     raw = orjson.dumps(body)
     view = view_of(endpoint, raw, fp=("POST", "/v1/x"))
     head = view.head
@@ -120,7 +120,7 @@ def error_of(call: Any) -> tuple[int, str, str | None] | None:
 
 
 @pytest.mark.parametrize(("endpoint", "body"), BAD)
-def test_a_bad_body_gets_the_same_error_both_ways(endpoint: Endpoint, body: dict[str, Any]) -> None:
+def test_a_bad_body_gets_the_same_error_both_ways(endpoint: ApiKind, body: dict[str, Any]) -> None:
     view = view_of(endpoint, orjson.dumps(body))
     want = error_of(lambda: CLASSIFIER.features(endpoint, body))
     assert want is not None

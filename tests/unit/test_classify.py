@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.config.loader import load_rules_file, load_rules_text
 from gateway.config.schema import RoutingRules
 from gateway.errors import InvalidParameter
-from gateway.routing.classify import Classifier, Endpoint
+from gateway.routing.classify import ApiKind, Classifier
 
 # ---------------------------------------------------------------------------------------------- fixture config
 
@@ -125,7 +125,7 @@ def completion(prompt: Any, model: str = "m", **kw: Any) -> dict[str, Any]:
 
 
 # (id, endpoint, body, X-Task-Type, expected class, expected task type)
-Case = tuple[str, Endpoint, dict[str, Any], str | None, str, str]
+Case = tuple[str, ApiKind, dict[str, Any], str | None, str, str]
 
 CASES: list[Case] = [
     # --- temperature: the missing default and the borders of lt / lte / gt / gte
@@ -518,7 +518,7 @@ CASES: list[Case] = [
     [pytest.param(*case[1:], id=case[0]) for case in CASES],
 )
 def test_classification_table(
-    endpoint: Endpoint, body: dict[str, Any], header: str | None, expected_class: str, expected_task: str
+    endpoint: ApiKind, body: dict[str, Any], header: str | None, expected_class: str, expected_task: str
 ) -> None:
     result = CLASSIFIER.classify(endpoint, body, header)
     assert (result.traffic_class.name, result.features.task_type) == (expected_class, expected_task)
@@ -573,7 +573,7 @@ def test_ints_become_floats() -> None:
 
 # ---------------------------------------------------------------------------------------------- errors
 
-ERROR_CASES: list[tuple[str, Endpoint, dict[str, Any], str]] = [
+ERROR_CASES: list[tuple[str, ApiKind, dict[str, Any], str]] = [
     ("temperature-string", "chat", chat("hi", temperature="0.2"), "temperature"),
     ("temperature-bool", "chat", chat("hi", temperature=True), "temperature"),
     ("temperature-inf", "chat", chat("hi", temperature=float("inf")), "temperature"),
@@ -605,7 +605,7 @@ ERROR_CASES: list[tuple[str, Endpoint, dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), [pytest.param(*case[1:], id=case[0]) for case in ERROR_CASES])
-def test_invalid_parameters(endpoint: Endpoint, body: dict[str, Any], param: str) -> None:
+def test_invalid_parameters(endpoint: ApiKind, body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidParameter) as info:
         CLASSIFIER.classify(endpoint, body)
     assert info.value.param == param
@@ -622,7 +622,7 @@ def test_invalid_parameters(endpoint: Endpoint, body: dict[str, Any], param: str
     ],
 )
 def test_lone_surrogate_in_text_classifies_or_is_an_invalid_parameter(body: dict[str, Any]) -> None:
-    endpoint: Endpoint = "completions" if "prompt" in body else "chat"
+    endpoint: ApiKind = "completions" if "prompt" in body else "chat"
     try:
         name = CLASSIFIER.classify(endpoint, body).traffic_class.name
     except InvalidParameter:
@@ -712,7 +712,7 @@ _body = st.builds(
     header=st.none() | st.text(max_size=10) | st.sampled_from(["code", "Creative", "x y"]),
 )
 def test_any_body_classifies_or_is_an_invalid_parameter(
-    endpoint: Endpoint, body: dict[str, Any], header: str | None
+    endpoint: ApiKind, body: dict[str, Any], header: str | None
 ) -> None:
     outcome: str | InvalidParameter
     try:
@@ -916,7 +916,7 @@ def default_classifier() -> tuple[Classifier, RoutingRules]:
 )
 def test_default_yaml(
     default_classifier: tuple[Classifier, RoutingRules],
-    endpoint: Endpoint,
+    endpoint: ApiKind,
     body: dict[str, Any],
     header: str | None,
     expected_class: str,
