@@ -30,11 +30,13 @@ import yaml
 
 from gateway.bench.conversations import Conversation, ConversationSpec, plan_conversations, turn_request
 from gateway.bench.cpu import CpuMeter
+from gateway.bench.fleet import clock_lag, policy_rules, running_fleet, sim_clocks
+from gateway.bench.jobs import interrupt_on_term
 from gateway.bench.load import Result, arrival_times, meets_targets, tpot_from_chunks
 from gateway.bench.mix import Mix, TrafficClass
 from gateway.bench.multiturn_report import MultiTurnPoint, TurnResult, write_multiturn_report
 from gateway.bench.points import LABELS, Setup
-from gateway.bench.policies import busiest, check_policies, clock_lag, policy_rules, running_fleet, sim_clocks
+from gateway.bench.policies import busiest, check_policies
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET
 from gateway.sim.physics import step_time
@@ -350,9 +352,10 @@ def bench_multiturn(
     )
     before = os.getloadavg()[0]
     points: list[MultiTurnPoint] = []
-    for policy in policies:
-        rules = policy_rules(policy, adaptive, root)
-        points += run_multiturn_policy(policy, rules, mix, spec, loads, capacity, setup, jsonl=jsonl, log=log)
+    with interrupt_on_term():  # SIGTERM stops the servers and the front as Ctrl-C does
+        for policy in policies:
+            rules = policy_rules(policy, adaptive, root)
+            points += run_multiturn_policy(policy, rules, mix, spec, loads, capacity, setup, jsonl=jsonl, log=log)
     machine = (
         f"{os.cpu_count()} cores, load average {before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         "(the harness-CPU section shows what the bench's own processes used; the load average also counts what "
