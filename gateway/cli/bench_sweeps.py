@@ -1,5 +1,5 @@
-"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (listed in the
-``bench`` group's commands by ``gateway.cli.bench``)."""
+"""``specgate bench load``, ``bench policies``, ``bench capacity`` and ``bench reference``: the traffic-mix sweeps
+(listed in the ``bench`` group's commands by ``gateway.cli.bench``)."""
 
 from __future__ import annotations
 
@@ -134,6 +134,48 @@ def bench_policies_cmd(
     out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
 
 
+def bench_capacity_cmd(
+    mix: Annotated[str, typer.Option(help="A multi-turn mix: a YAML file or a name in bench/mixes/.")] = "multiturn",
+    policies: Annotated[
+        str, typer.Option(help="Policies, comma-separated; the report gives the first's rate over the second's.")
+    ] = "adaptive,peer-cache-aware",
+    fleet: Annotated[str, typer.Option(help="Speculative+standard servers of the mixed fleet.")] = "2+2",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 16,
+    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and conversations (the same for every policy).")] = 7,
+    start: Annotated[float, typer.Option(help="First step's offered load, fraction of the computed capacity.")] = 0.9,
+    step: Annotated[float, typer.Option(help="Up or down by this until a step of each verdict is seen.")] = 0.2,
+    resolution: Annotated[float, typer.Option(help="Bisect until the bracket is this narrow.")] = 0.05,
+    steps: Annotated[int, typer.Option(help="Steps per policy at most.")] = 4,
+    warmup: Annotated[float, typer.Option(help="Wall seconds the first step settles beyond --settle.")] = 45.0,
+    settle: Annotated[float, typer.Option(help="Wall seconds each step settles before it is judged.")] = 25.0,
+    window: Annotated[float, typer.Option(help="Wall seconds each step is judged over.")] = 40.0,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md and steps.json.")] = Path(
+        "bench-results/capacity"
+    ),
+) -> None:
+    """Each policy's sustainable rate on a multi-turn mix: one long run per policy steps the offered rate (up, then
+    bisecting) and judges each step by whether the turn backlog grows; the first policy's rate over the second's."""
+    from gateway.bench.capacity import Ladder, bench_capacity
+    from gateway.bench.conversations import spec_of
+    from gateway.bench.mix import load_mix
+    from gateway.bench.points import Setup
+
+    try:
+        the_mix = load_mix(mix)
+        spec = spec_of(the_mix)
+        if spec is None:
+            raise ValueError(f"--mix {mix}: bench capacity runs conversations; this mix has none")
+        setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, seed=seed).fleet_from(fleet)
+        ladder = Ladder(start, step, resolution, steps, warmup, settle, window)
+        names = tuple(p.strip() for p in policies.split(",") if p.strip())
+        bench_capacity(the_mix, spec, setup, ladder, out_dir, policies=names, log=out.print)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
+
+
 def bench_reference_cmd(
     mix: Annotated[str, typer.Option(help="Traffic mix: a YAML file or a name in bench/mixes/.")] = "default",
     loads: Annotated[
@@ -187,5 +229,6 @@ def bench_reference_cmd(
 COMMANDS: tuple[Command, ...] = (
     Command("load", bench_load_cmd),
     Command("policies", bench_policies_cmd),
+    Command("capacity", bench_capacity_cmd),
     Command("reference", bench_reference_cmd),
 )
