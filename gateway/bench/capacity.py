@@ -1,14 +1,19 @@
-"""``specgate bench capacity``: each policy's sustainable rate of conversations on its fleet, by one long run that
-climbs and bisects a ladder of offered rates (``bench.capacity_judge`` decides), and the ratio of the first
-policy's to the second's (specgate's to the cache-aware peer's).
+"""``specgate bench capacity``: each policy's sustainable rate of conversations on its fleet and the first policy's
+over the second's (specgate's over the cache-aware peer's). ``bench.capacity_judge`` says why it is measured so.
 
-Conversations arrive open loop (Poisson at the step's rate, the same draws for every policy; the rate changes at
-each step boundary and the conversations already going go on), as in ``bench.multiturn``: each turn waits for the
-previous answer and the think time. The first step begins with ``warmup_s`` more of settling (the conversations in
-flight build up from none); every step then settles ``settle_s`` and is judged over ``window_s`` (wall seconds).
-The turn backlog is the load generator's count of turns sent and not yet answered, sampled every ``SAMPLE_S``.
+Per policy, one fleet and two phases of conversations (as in ``bench.multiturn``: open-loop Poisson arrivals, the
+same draws and conversations for every policy; each turn waits for the previous answer and the think time):
+
+1. the ceiling: offered ``Plan.overload`` x the computed capacity; after ``Plan.settle_s`` the turns answered per
+   second over ``Plan.ceiling_s`` are the fleet's ceiling. Its conversations are then dropped (the load generator
+   closes their connections) and the servers left to drain;
+2. the hold: new conversations at ``Plan.hold`` x the ceiling; ``Plan.warmup_s`` brings the open conversations to
+   their steady state, then ``Plan.hold_s`` is judged: the turn backlog (the load generator's turns sent and not yet
+   answered, sampled every ``SAMPLE_S``) flat and next to no failures, or not.
+
 Offered rates are fractions of ``bench.multiturn``'s computed capacity (turns/s of as many standard servers at a
-full batch with a perfectly warm prefix cache), so both policies are measured on one scale.
+full batch with a perfectly warm prefix cache), so both policies are measured on one scale. All durations in
+``Plan`` are wall seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import os
 import random
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,39 +38,40 @@ from gateway.bench.capacity_judge import (
     Rules,
     Step,
     backlog_trend,
-    bracket,
     compare,
-    next_fraction,
+    rate_and_error,
+    saturated,
     verdict,
 )  # fmt: skip
 from gateway.bench.conversations import Conversation, ConversationSpec, plan_conversations, turn_request
 from gateway.bench.cpu import CpuMeter
 from gateway.bench.fleet import clock_lag, policy_rules, running_fleet, sim_clocks
-from gateway.bench.jobs import interrupt_on_term
+from gateway.bench.jobs import interrupt_on_term, run_side_by_side
 from gateway.bench.mix import Mix
-from gateway.bench.multiturn import conversation_capacity, send_turn
+from gateway.bench.multiturn import CONVERSATIONS_PER_LOAD, conversation_capacity, send_turn
 from gateway.bench.points import LABELS, Setup
 from gateway.bench.policies import busiest, check_policies
 from gateway.config.packaged import DEFAULT_RULES
 
 SAMPLE_S = 0.5  # wall seconds between two samples of the backlog
 BATCH = 200  # conversations planned at a time
+DRAIN_LIMIT_S = 30.0  # the most the servers get to empty after the ceiling phase
 
 
 @dataclass(frozen=True, slots=True)
-class Ladder:
-    """How the rates are stepped and how long each is held (wall seconds)."""
+class Plan:
+    """The two phases of a policy's run (wall seconds)."""
 
-    start: float = 0.9
-    step: float = 0.2
-    resolution: float = 0.05
-    steps: int = 4
-    warmup_s: float = 45.0
-    settle_s: float = 25.0
-    window_s: float = 40.0
+    overload: float = 1.4  # the ceiling phase's offered load, fraction of the computed capacity
+    settle_s: float = 45.0
+    ceiling_s: float = 60.0
+    hold: float = 0.9  # the hold phase's offered turns, share of the measured ceiling
+    warmup_s: float = 50.0
+    hold_s: float = 120.0
 
     def wall_s(self) -> float:
-        return self.warmup_s + self.steps * (self.settle_s + self.window_s)
+        """At most, per policy, with the fleet's start and the drain."""
+        return 15.0 + self.settle_s + self.ceiling_s + DRAIN_LIMIT_S + self.warmup_s + self.hold_s
 
 
 @dataclass(slots=True)
@@ -106,13 +113,13 @@ async def _converse(
 
 
 async def _arrivals(
-    run: _Run, spec: ConversationSpec, mix: Mix, setup: Setup, start: Callable[[Conversation], None]
+    run: _Run, spec: ConversationSpec, mix: Mix, seed: int, first: int, start: Callable[[Conversation], None]
 ) -> None:
     """Poisson arrivals at ``run.conv_rate`` (read as it changes): each needs one unit-exponential draw of
-    rate x elapsed time, the same draws for every policy."""
-    rng = random.Random(setup.seed)
+    rate x elapsed time; conversations ``first`` on; the same draws and conversations for every policy."""
+    rng = random.Random(seed)
     planned: list[Conversation] = []
-    k = 0
+    k = first
     while not run.stopping:
         need = rng.expovariate(1.0)
         while need > 0 and not run.stopping:
@@ -123,7 +130,7 @@ async def _arrivals(
         if run.stopping:
             return
         if not planned:
-            planned = plan_conversations(spec, mix.classes, setup.seed, BATCH, first=k)
+            planned = plan_conversations(spec, mix.classes, seed, BATCH, first=k)
             k += BATCH
         start(planned.pop(0))
 
@@ -134,15 +141,15 @@ async def _sampler(run: _Run, t0: float) -> None:
         await asyncio.sleep(SAMPLE_S)
 
 
-async def climb(
-    url: str, ports: list[int], mix: Mix, spec: ConversationSpec, setup: Setup, capacity: float, per_conv: float,
-    ladder: Ladder, model: str, log: Callable[[str], None], rules: Rules | None = None,
-) -> list[tuple[Step, bool, str]]:  # fmt: skip
-    """One policy's run against its front at ``url``: every step with its verdict and why."""
-    run = _Run()
+async def phase(
+    url: str, ports: list[int], mix: Mix, spec: ConversationSpec, setup: Setup, model: str, *,
+    fraction: float, capacity: float, per_conv: float, settle_s: float, window_s: float, index: int,
+) -> Step:  # fmt: skip
+    """One phase against the front at ``url``: conversations at ``fraction`` x ``capacity`` turns/s, settled for
+    ``settle_s`` and measured over ``window_s`` (wall); then every conversation is dropped (connections closed)."""
+    run = _Run(conv_rate=fraction * capacity / per_conv / setup.time_scale)
     tasks: set[asyncio.Task[None]] = set()
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-    out: list[tuple[Step, bool, str]] = []
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         t0 = time.monotonic()
 
@@ -151,71 +158,119 @@ async def climb(
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
+        first = CONVERSATIONS_PER_LOAD * index  # each phase its own conversations, the same for every policy
         background = [
-            asyncio.create_task(_arrivals(run, spec, mix, setup, start)),
+            asyncio.create_task(_arrivals(run, spec, mix, setup.seed + index, first, start)),
             asyncio.create_task(_sampler(run, t0)),
         ]
         try:
-            fraction = next_fraction([], ladder.start, ladder.step, ladder.resolution)
-            k = 0
-            while fraction is not None and k < ladder.steps:
-                run.conv_rate = fraction * capacity / per_conv / setup.time_scale
-                settle = ladder.settle_s + (ladder.warmup_s if k == 0 else 0.0)
-                await asyncio.sleep(settle)
-                w0 = time.monotonic() - t0
-                clocks = await asyncio.to_thread(sim_clocks, ports)
-                await asyncio.sleep(ladder.window_s)
-                w1 = time.monotonic() - t0
-                lag = clock_lag(clocks, await asyncio.to_thread(sim_clocks, ports))
-                step = _measure(run, fraction, capacity, w0, w1, setup.time_scale, lag)
-                ok, why = verdict(step, len(ports), rules)
-                out.append((step, ok, why))
-                log(
-                    f"  step {k + 1}: {fraction:.0%} ({step.turns_rate:.2f} turns/s): backlog {step.mean_backlog:.0f}"
-                    f", {step.throughput:.2f} turns/s answered, {step.failed} failed, "
-                    f"{'sustained' if ok else 'NOT sustained'}: {why}"
-                )
-                k += 1
-                fraction = next_fraction([(s.fraction, v) for s, v, _ in out], ladder.start, ladder.step,
-                                         ladder.resolution)  # fmt: skip
+            await asyncio.sleep(settle_s)
+            w0 = time.monotonic() - t0
+            clocks = await asyncio.to_thread(sim_clocks, ports)
+            await asyncio.sleep(window_s)
+            w1 = time.monotonic() - t0
+            lag = clock_lag(clocks, await asyncio.to_thread(sim_clocks, ports))
         finally:
             run.stopping = True
             for task in [*background, *tasks]:
                 task.cancel()
             await asyncio.gather(*background, *tasks, return_exceptions=True)
-    return out
-
-
-def _measure(run: _Run, fraction: float, capacity: float, w0: float, w1: float, ts: float, lag: float) -> Step:
-    mean, rise = backlog_trend([s for s in run.samples if w0 <= s[0] <= w1])
+    mean, rise = backlog_trend([x for x in run.samples if w0 <= x[0] <= w1])
     done = [ok for t, ok in run.answered if w0 <= t <= w1]
-    return Step(fraction, fraction * capacity, (w1 - w0) / ts, mean, rise, len(done), done.count(False), lag)
+    ts = setup.time_scale
+    # answered turns per simulated second: wall times / time scale
+    _, se = rate_and_error([t / ts for t, ok in run.answered if ok], w0 / ts, w1 / ts)
+    return Step(fraction, fraction * capacity, (w1 - w0) / ts, mean, rise, len(done), done.count(False), se, lag)
+
+
+def drain(ports: list[int], limit_s: float = DRAIN_LIMIT_S) -> float:
+    """Wait until no simulated server runs or queues a request (at most ``limit_s``); the seconds it took."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        busy = 0.0
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                    busy += float(line.rsplit(" ", 1)[1])
+        if busy == 0:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - began
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyCapacity:
     policy: str
-    steps: tuple[tuple[Step, bool, str], ...]
+    ceiling: Step
+    hold: Step
+    sustained: bool
+    why: str
+    drain_s: float
+    saturated: bool  # the ceiling phase kept every server's batch full on average
     cpu: dict[str, float]
     wall_s: float
 
     @property
-    def bracket(self) -> tuple[float | None, float | None]:
-        return bracket([(s.fraction, ok) for s, ok, _ in self.steps])
+    def sustainable(self) -> float:
+        """Turns per simulated second the hold sustained (NaN where it did not)."""
+        return self.hold.turns_rate if self.sustained else math.nan
 
-    @property
-    def saturated(self) -> float:
-        """Turns answered per simulated second at the unsustained steps (NaN: none): the fleet's own ceiling."""
-        rates = [s.throughput for s, ok, _ in self.steps if not ok]
-        return max(rates) if rates else math.nan
+
+def measure_policy(
+    policy: str, rules: dict[str, Any], mix: Mix, spec: ConversationSpec, setup: Setup, capacity: float,
+    per_conv: float, plan: Plan, log: Callable[[str], None] = print,
+) -> PolicyCapacity:  # fmt: skip
+    """Start the policy's fleet, measure its ceiling, hold a share of it, stop the fleet."""
+    began = time.monotonic()
+    name = LABELS[policy]
+    with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
+        meter = CpuMeter(fleet.pids)
+        meter.start()
+        args = (fleet.url, fleet.sim_ports, mix, spec, setup, fleet.model)
+        top = asyncio.run(phase(*args, fraction=plan.overload, capacity=capacity, per_conv=per_conv,
+                                settle_s=plan.settle_s, window_s=plan.ceiling_s, index=1))  # fmt: skip
+        slots = len(fleet.sim_ports) * setup.max_num_seqs
+        log(
+            f"{name}: ceiling {top.throughput:.2f} +- {top.throughput_se:.2f} turns/s answered at {plan.overload:.0%} "
+            f"offered ({top.failed} failed, backlog {top.mean_backlog:.0f} for {slots} batch slots, late steps "
+            f"{top.lag:.1%})"
+        )
+        drained = drain(fleet.sim_ports)
+        hold_fraction = plan.hold * top.throughput / capacity
+        held = asyncio.run(phase(*args, fraction=hold_fraction, capacity=capacity, per_conv=per_conv,
+                                 settle_s=plan.warmup_s, window_s=plan.hold_s, index=2))  # fmt: skip
+        cpu = meter.stop()
+    ok, why = verdict(held, len(fleet.sim_ports))
+    log(
+        f"{name}: hold {held.turns_rate:.2f} turns/s ({hold_fraction:.0%}): {held.throughput:.2f} answered, "
+        f"{'sustained' if ok else 'NOT sustained'}: {why} ({time.monotonic() - began:.0f} s; busiest {busiest(cpu)})"
+    )
+    return PolicyCapacity(policy, top, held, ok, why, drained, saturated(top, slots), cpu, time.monotonic() - began)
+
+
+def _printed(line: str) -> None:
+    print(line, flush=True)
+
+
+def _capacity_job(
+    policy: str, rules: dict[str, Any], mix: Mix, spec: ConversationSpec, setup: Setup, capacity: float,
+    per_conv: float, plan: Plan,
+) -> PolicyCapacity:  # fmt: skip
+    return measure_policy(policy, rules, mix, spec, setup, capacity, per_conv, plan, _printed)
 
 
 def bench_capacity(
-    mix: Mix, spec: ConversationSpec, setup: Setup, ladder: Ladder, out_dir: Path, *,
+    mix: Mix, spec: ConversationSpec, setup: Setup, plan: Plan, out_dir: Path, *,
     policies: tuple[str, ...] = ("adaptive", "peer-cache-aware"), root: Path = Path("."),
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, jobs: int = 1,
 ) -> list[PolicyCapacity]:  # fmt: skip
-    """Every policy's run, one after the other; report.md and steps.json in ``out_dir``."""
+    """Every policy's run (``jobs`` at once, each in a process of its own); report.md and steps.json in
+    ``out_dir``."""
     check_policies(policies)
     adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
     if mix.output_len_median is not None:
@@ -225,27 +280,27 @@ def bench_capacity(
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
         f"capacity {capacity:.2f} turns/s (simulated); planned: {len(policies)} policies x at most "
-        f"{ladder.wall_s() + 15:.0f} s ≈ {len(policies) * (ladder.wall_s() + 15) / 60:.1f} min"
+        f"{plan.wall_s():.0f} s ≈ {len(policies) * plan.wall_s() / 60 / max(1, min(jobs, len(policies))):.1f} min"
     )
     before = os.getloadavg()[0]
-    results: list[PolicyCapacity] = []
+    rules = {policy: policy_rules(policy, adaptive, root) for policy in policies}
+    calls = [(p, rules[p], mix, spec, setup, capacity, per_conv, plan) for p in policies]
     with interrupt_on_term():
-        for policy in policies:
-            began = time.monotonic()
-            rules = policy_rules(policy, adaptive, root)
-            log(f"{LABELS[policy]}:")
-            with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
-                meter = CpuMeter(fleet.pids)
-                meter.start()
-                steps = asyncio.run(
-                    climb(fleet.url, fleet.sim_ports, mix, spec, setup, capacity, per_conv, ladder, fleet.model, log)
-                )
-                cpu = meter.stop()
-            results.append(PolicyCapacity(policy, tuple(steps), cpu, time.monotonic() - began))
-            log(f"  ({results[-1].wall_s:.0f} s; busiest process {busiest(cpu)})")
+        if jobs > 1 and len(policies) > 1:
+            results = run_side_by_side(_capacity_job, calls, jobs)
+        else:
+            results = [measure_policy(*args, log=log) for args in calls]
     machine = f"{os.cpu_count()} cores, load average {before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end"
-    (out_dir / "report.md").write_text(render(results, mix, setup, ladder, how, machine))
-    rows = [{"policy": r.policy, **asdict(s), "sustained": ok, "why": why} for r in results for s, ok, why in r.steps]
+    if jobs > 1 and len(policies) > 1:
+        machine += f"; {min(jobs, len(policies))} policies ran at once"
+    (out_dir / "report.md").write_text(render(results, mix, setup, plan, how, machine))
+    rows = [
+        {"policy": r.policy, "phase": name, **asdict(step), "throughput": step.throughput}
+        for r in results
+        for name, step in (("ceiling", r.ceiling), ("hold", r.hold))
+    ]
+    for r, row in zip(results, rows[1::2], strict=True):
+        row.update(sustained=r.sustained, why=r.why, drain_s=r.drain_s)
     (out_dir / "steps.json").write_text(json.dumps([{k: _finite(v) for k, v in row.items()} for row in rows], indent=1))
     return results
 
@@ -254,12 +309,8 @@ def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def _pct(f: float | None) -> str:
-    return "-" if f is None else f"{f:.0%}"
-
-
 def render(
-    results: list[PolicyCapacity], mix: Mix, setup: Setup, ladder: Ladder, how: str, machine: str
+    results: list[PolicyCapacity], mix: Mix, setup: Setup, plan: Plan, how: str, machine: str
 ) -> str:  # fmt: skip
     rules = Rules()
     lines = [
@@ -268,45 +319,51 @@ def render(
         mix.description,
         "",
         f"- capacity (100%): {how}",
-        f"- one run per policy: {ladder.warmup_s:g} s of warm-up, then steps of {ladder.settle_s:g} s settling + "
-        f"{ladder.window_s:g} s judged (wall; clock x{setup.time_scale:g}); first step {ladder.start:.0%}, "
-        f"{ladder.step:.0%} up or down, then bisection to {ladder.resolution:.0%}, at most {ladder.steps} steps; "
-        f"seed {setup.seed}, the same conversations and arrival draws for every policy",
-        f"- sustained: the turn backlog's fitted rise over the window within {rules.rise_share:.0%} of its mean (or "
-        f"{rules.rise_floor:g} turns per server), and at most {rules.max_failed:.0%} of the answered turns failed "
-        "(`gateway/bench/capacity_judge.py`)",
-        f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale}",
+        f"- per policy, on one fleet: the ceiling (conversations offered at {plan.overload:.0%}, {plan.settle_s:g} s "
+        f"to build the backlog, then the turns answered over {plan.ceiling_s:g} s, with a standard error from 6 "
+        "sub-windows; saturated: a mean backlog of at least every server's full batch), its conversations dropped "
+        "and the servers drained, then the hold (new conversations at "
+        f"{plan.hold:.0%} of the ceiling, {plan.warmup_s:g} s of warm-up, {plan.hold_s:g} s judged); wall seconds, "
+        f"clock x{setup.time_scale:g}; seed {setup.seed}, the same conversations and arrival draws for every policy",
+        f"- the hold sustained its rate: the turn backlog's fitted rise over the window within {rules.rise_share:.0%}"
+        f" of its mean (or {rules.rise_floor:g} turns per server), and at most {rules.max_failed:.0%} of the answered"
+        " turns failed (`gateway/bench/capacity_judge.py` says why a ceiling and a hold, not a ladder of short steps)",
+        f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale}; rates "
+        "in turns per simulated second",
         f"- machine: {machine}",
         "",
-        "| policy | step | offered | turns/s offered | backlog mean | rise | answered turns/s | failed | late steps "
-        "| verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| policy | ceiling: answered turns/s | +- (se) | failed | backlog | saturated | late steps | hold: offered "
+        "turns/s | answered | backlog mean | rise | failed | late steps | sustained |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        for i, (s, ok, why) in enumerate(r.steps, 1):
-            late = "-" if math.isnan(s.lag) else f"{s.lag:.1%}"
-            lines.append(
-                f"| {LABELS[r.policy]} | {i} | {s.fraction:.0%} | {s.turns_rate:.2f} | {s.mean_backlog:.0f} | "
-                f"{s.rise:+.0f} | {s.throughput:.2f} | {s.failed} | {late} | "
-                f"{'sustained' if ok else 'not sustained'}: {why} |"
-            )
-    lines += ["", "| policy | sustainable (highest sustained) | lowest not sustained | answered turns/s when not |"]
-    lines += ["|---|---:|---:|---:|"]
-    for r in results:
-        lo, hi = r.bracket
-        ceiling = "-" if math.isnan(r.saturated) else f"{r.saturated:.2f}"
-        lines.append(f"| {LABELS[r.policy]} | {_pct(lo)} | {_pct(hi)} | {ceiling} |")
+        c, h = r.ceiling, r.hold
+        lines.append(
+            f"| {LABELS[r.policy]} | {c.throughput:.2f} | {c.throughput_se:.2f} | {c.failed} | {c.mean_backlog:.0f} | "
+            f"{'yes' if r.saturated else 'no'} | {_pct(c.lag)} | {h.turns_rate:.2f} ({h.fraction:.0%}) | "
+            f"{h.throughput:.2f} | {h.mean_backlog:.0f} | "
+            f"{h.rise:+.0f} | {h.failed} | {_pct(h.lag)} | {'yes' if r.sustained else 'no'}: {r.why} |"
+        )
     if len(results) >= 2:
         mine, peer = results[0], results[1]
-        c = compare(mine.bracket, peer.bracket)
-        sat = mine.saturated / peer.saturated
+        ratio = compare(mine.ceiling, peer.ceiling)
+        both = mine.sustained and peer.sustained
+        reading = ratio.reading() if mine.saturated and peer.saturated else "unknown: a ceiling phase was not saturated"
         lines += [
             "",
-            f"- {LABELS[mine.policy]} / {LABELS[peer.policy]}: sustainable {c.value:.2f}x (bounds from the brackets "
-            f"{c.lo:.2f}-{c.hi:.2f}); at least {LIMIT:g}x: **{c.reading()}**"
-            + ("" if math.isnan(sat) else f"; answered turns/s when not sustained: {sat:.2f}x"),
+            f"- {LABELS[mine.policy]} / {LABELS[peer.policy]}: ceiling {ratio.value:.2f}x (95% interval "
+            f"{ratio.lo:.2f}-{ratio.hi:.2f}); at least {LIMIT:g}x: **{reading}**"
+            + (
+                f"; both sustained {plan.hold:.0%} of their ceilings, so their sustainable rates compare the same"
+                if both
+                else "; **not both holds sustained**: the ceilings overstate what they sustain"
+            ),
         ]
-    lags = [s.lag for r in results for s, _, _ in r.steps if not math.isnan(s.lag)]
+    lags = [s.lag for r in results for s in (r.ceiling, r.hold) if not math.isnan(s.lag)]
     if lags and max(lags) > 0.02:
         lines.append(f"- **the simulated servers ran late** by up to {max(lags):.1%}: the machine, not the fleet")
     return "\n".join([*lines, ""])
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1%}"

@@ -1,23 +1,27 @@
-"""How ``specgate bench capacity`` decides a fleet's sustainable rate, and its report. Pure.
+"""How ``specgate bench capacity`` measures a fleet's sustainable rate, and how two fleets compare. Pure.
 
-One long run per policy climbs a ladder of offered rates (fractions of the computed capacity) and then bisects:
-each step holds its rate for a settling time and a judged window. A rate is sustained when, over the window,
+Multi-turn load is only half open: conversations arrive at their own pace, but each sends its next turn only after
+the answer to the last (and a think time). Offered more than it can answer, a fleet slows every turn; the
+conversations live longer and pile up, and the turn backlog (turns sent and not yet answered) grows only as fast
+as conversations accumulate: by the excess turn rate divided by the turns per conversation. Ten percent over
+capacity on this bench's mix grows the backlog by a dozen turns a minute against a backlog of dozens; a ladder of
+short steps judged by the backlog's trend cannot tell 90% from 110% of capacity. Two measurements that can:
 
-- the turn backlog (turns sent and not yet answered, sampled every fraction of a second) shows no growth: the
-  least-squares line through the samples rises by at most ``Rules.rise_share`` of the window's mean backlog (and at
-  most ``Rules.rise_floor`` turns per server, so that an almost empty fleet's few turns do not decide), and
-- at most ``Rules.max_failed`` of the turns answered in the window failed (shed with 429/503, or errors): a front
-  that sheds its excess keeps its backlog flat without sustaining the rate.
+- the **ceiling**: offered well above capacity, the fleet answers turns as fast as it can. Once the backlog has
+  built up (``settle``), the turns it answers per second over a window are its capacity on this traffic (the
+  window's sub-windows give a standard error: batch means). Only if it was saturated: a mean backlog of at least
+  every server's full batch (``saturated``), else the conversations had not built up yet and the rate is only
+  what was offered;
+- the **hold**: a new set of conversations offered at a share of the ceiling (0.9 by default) for a long window,
+  after a warm-up that brings the open conversations to their steady state; sustained when the backlog shows no
+  growth (the least-squares line through samples taken every fraction of a second rises by at most
+  ``Rules.rise_share`` of the window's mean backlog, and at most ``Rules.rise_floor`` turns per server) and at most
+  ``Rules.max_failed`` of the turns answered in the window failed (a front that sheds its excess keeps its backlog
+  flat without sustaining the rate).
 
-Below capacity the backlog is flat (it falls after a higher step); above it, it grows by the excess rate for as
-long as the step lasts. The run need not drain between steps: a rate below capacity drains the backlog a higher
-step left (falling: sustained), a rate above it grows it whatever it started from.
-
-The next step: up by ``step`` while every step was sustained, down by ``step`` while none was, then the midpoint of
-the highest sustained rate below the lowest unsustained one and that one, until they are ``resolution`` apart or
-the steps run out. The sustainable rate is then bracketed: the highest sustained rate (the value reported) and the
-lowest unsustained one above it. At an unsustained step the fleet answers as fast as it can: its answered turns
-per second there is a second estimate of its capacity on this traffic.
+The sustainable rate is the hold's rate where the hold sustained it (a lower bound: the ceiling is the upper).
+Two fleets compare by their ceilings, with an interval from the two standard errors, and the comparison stands
+when both holds sustained their shares.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 LIMIT = 0.9  # the cache-aware-router comparison's bar: specgate's sustainable rate at least this x the peer's
+Z95 = 1.96
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +43,7 @@ class Rules:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One step of the ladder as measured and judged."""
+    """One phase of a fleet's run as measured: its offered rate and what the fleet did in the judged window."""
 
     fraction: float  # offered load, fraction of the computed capacity
     turns_rate: float  # offered turns per simulated second (fraction x capacity)
@@ -47,6 +52,7 @@ class Step:
     rise: float  # turns: the fitted line's growth over the window
     answered: int  # turns answered in the window (ok or not)
     failed: int  # of which failed
+    throughput_se: float = math.nan  # standard error of ``throughput`` (batch means over sub-windows)
     lag: float = math.nan  # the worst simulated server's late steps, share of the window's simulated time
 
     @property
@@ -55,7 +61,7 @@ class Step:
 
     @property
     def throughput(self) -> float:
-        """Turns answered per simulated second in the window."""
+        """Turns answered (and not failed) per simulated second in the window."""
         return (self.answered - self.failed) / self.window_s if self.window_s > 0 else math.nan
 
 
@@ -81,8 +87,30 @@ def backlog_trend(samples: Sequence[tuple[float, float]]) -> tuple[float, float]
     return mean, slope(samples) * span
 
 
+def rate_and_error(times: Sequence[float], w0: float, w1: float, parts: int = 6) -> tuple[float, float]:
+    """Events per second in ``[w0, w1)`` from their ``times``, and its standard error from the counts of ``parts``
+    equal sub-windows (batch means: the sub-windows' rates vary as much as the fleet's pace did)."""
+    span = w1 - w0
+    if span <= 0 or parts < 2:
+        return math.nan, math.nan
+    counts = [0] * parts
+    for t in times:
+        if w0 <= t < w1:
+            counts[min(parts - 1, int((t - w0) / span * parts))] += 1
+    rates = [c * parts / span for c in counts]
+    mean = sum(rates) / parts
+    var = sum((r - mean) ** 2 for r in rates) / (parts - 1)
+    return mean, math.sqrt(var / parts)
+
+
+def saturated(step: Step, slots: int) -> bool:
+    """Whether a ceiling phase kept the fleet busy: on average at least ``slots`` (every server's full running batch)
+    turns in flight, so the turns it answered are its pace, not the offered rate."""
+    return step.mean_backlog >= slots
+
+
 def verdict(step: Step, servers: int, rules: Rules | None = None) -> tuple[bool, str]:
-    """Whether ``step`` sustained its rate, and why in a few words."""
+    """Whether a hold sustained its rate, and why in a few words."""
     rules = rules or Rules()
     if step.failed_share > rules.max_failed:
         return False, f"{step.failed_share:.1%} of the answered turns failed (shed)"
@@ -92,43 +120,16 @@ def verdict(step: Step, servers: int, rules: Rules | None = None) -> tuple[bool,
     return True, f"backlog flat: {step.rise:+.0f} turns (bound {bound:.0f}, mean {step.mean_backlog:.0f})"
 
 
-def bracket(history: Sequence[tuple[float, bool]]) -> tuple[float | None, float | None]:
-    """(highest sustained fraction below the lowest unsustained one, that unsustained one); None where none."""
-    bad = [f for f, ok in history if not ok]
-    hi = min(bad) if bad else None
-    good = [f for f, ok in history if ok and (hi is None or f < hi)]
-    return (max(good) if good else None), hi
-
-
-def next_fraction(
-    history: Sequence[tuple[float, bool]], start: float, step: float, resolution: float, floor: float = 0.05
-) -> float | None:
-    """The next step's fraction after ``history`` (fraction, sustained): ``start`` first; up or down by ``step``
-    until a step of each kind is seen; then the midpoint of the bracket; None once the bracket is ``resolution``
-    narrow (or nothing lower than ``floor`` is left to try)."""
-    if not history:
-        return start
-    lo, hi = bracket(history)
-    if hi is None:
-        return max(f for f, _ in history) + step
-    if lo is None:
-        below = hi - step
-        return below if below >= floor else None
-    if hi - lo <= resolution + 1e-9:
-        return None
-    return round((lo + hi) / 2, 6)
-
-
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """specgate's sustainable rate over the peer's: the value from the highest sustained fractions, the bounds from
-    the brackets (lowest: specgate's sustained / peer's unsustained; highest: the other way round)."""
+    """One fleet's ceiling over another's, with a 95% interval from their standard errors (delta method)."""
 
     value: float
     lo: float
     hi: float
 
     def reading(self, limit: float = LIMIT) -> str:
+        """``met`` (the whole interval at or above ``limit``), ``missed`` (below), ``undecided`` or ``unknown``."""
         if math.isnan(self.value):
             return "unknown"
         if self.lo >= limit:
@@ -138,11 +139,13 @@ class Comparison:
         return "undecided"
 
 
-def compare(mine: tuple[float | None, float | None], peer: tuple[float | None, float | None]) -> Comparison:
-    """The ratio of two brackets (sustained, unsustained fractions of the same computed capacity)."""
-    (m_lo, m_hi), (p_lo, p_hi) = mine, peer
-    if m_lo is None or p_lo is None:
+def compare(mine: Step, peer: Step) -> Comparison:
+    """``mine``'s ceiling (turns answered per second) over ``peer``'s."""
+    a, b = mine.throughput, peer.throughput
+    if not (a > 0 and b > 0):
         return Comparison(math.nan, math.nan, math.nan)
-    lo = m_lo / p_hi if p_hi else 0.0
-    hi = (m_hi / p_lo) if m_hi is not None else math.inf
-    return Comparison(m_lo / p_lo, lo, hi)
+    r = a / b
+    sa = mine.throughput_se if not math.isnan(mine.throughput_se) else 0.0
+    sb = peer.throughput_se if not math.isnan(peer.throughput_se) else 0.0
+    se = r * math.sqrt((sa / a) ** 2 + (sb / b) ** 2)
+    return Comparison(r, r - Z95 * se, r + Z95 * se)

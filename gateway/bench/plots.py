@@ -117,6 +117,8 @@ def target_check(points: list[Point], target: Target | None = None) -> list[str]
         return ["- the adaptive policy was not run: no target check"]
     mixed = [p for p in ("nginx",) if p in have]
     homo = [p for p in ("standard", "speculative") if p in have]
+    if not mixed and not homo:
+        return ["- neither a homogeneous fleet nor the NGINX rule was run: no target check"]
     if mixed:
         bad = [f"{load:.0%}" for load in loads if by[("adaptive", load)] > min(by[(m, load)] for m in mixed)]
         ok = "MET" if not bad else "NOT MET (at " + ", ".join(bad) + ")"

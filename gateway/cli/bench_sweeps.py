@@ -127,7 +127,7 @@ def bench_policies_cmd(
         if spec is None:
             bench_policies(the_mix, fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
         else:
-            bench_multiturn(the_mix, spec, fractions, setup, out_dir, policies=names, log=out.print)
+            bench_multiturn(the_mix, spec, fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"report: {out_dir / 'report.md'}", highlight=False)
@@ -144,20 +144,23 @@ def bench_capacity_cmd(
     max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 16,
     scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and conversations (the same for every policy).")] = 7,
-    start: Annotated[float, typer.Option(help="First step's offered load, fraction of the computed capacity.")] = 0.9,
-    step: Annotated[float, typer.Option(help="Up or down by this until a step of each verdict is seen.")] = 0.2,
-    resolution: Annotated[float, typer.Option(help="Bisect until the bracket is this narrow.")] = 0.05,
-    steps: Annotated[int, typer.Option(help="Steps per policy at most.")] = 4,
-    warmup: Annotated[float, typer.Option(help="Wall seconds the first step settles beyond --settle.")] = 45.0,
-    settle: Annotated[float, typer.Option(help="Wall seconds each step settles before it is judged.")] = 25.0,
-    window: Annotated[float, typer.Option(help="Wall seconds each step is judged over.")] = 40.0,
+    overload: Annotated[
+        float, typer.Option(help="The ceiling phase's offered load, fraction of the computed capacity.")
+    ] = 1.4,
+    settle: Annotated[float, typer.Option(help="Wall seconds the ceiling phase builds its backlog.")] = 45.0,
+    ceiling_window: Annotated[float, typer.Option(help="Wall seconds the ceiling is measured over.")] = 60.0,
+    hold: Annotated[float, typer.Option(help="The hold phase's offered turns, share of the measured ceiling.")] = 0.9,
+    warmup: Annotated[float, typer.Option(help="Wall seconds of the hold phase before it is judged.")] = 50.0,
+    hold_window: Annotated[float, typer.Option(help="Wall seconds the hold is judged over.")] = 120.0,
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md and steps.json.")] = Path(
         "bench-results/capacity"
     ),
+    jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
 ) -> None:
-    """Each policy's sustainable rate on a multi-turn mix: one long run per policy steps the offered rate (up, then
-    bisecting) and judges each step by whether the turn backlog grows; the first policy's rate over the second's."""
-    from gateway.bench.capacity import Ladder, bench_capacity
+    """Each policy's sustainable rate on a multi-turn mix: its ceiling (the turns it answers when offered too many),
+    then a long hold at a share of it judged by whether the turn backlog grows; the first policy's over the
+    second's."""
+    from gateway.bench.capacity import Plan, bench_capacity
     from gateway.bench.conversations import spec_of
     from gateway.bench.mix import load_mix
     from gateway.bench.points import Setup
@@ -168,9 +171,9 @@ def bench_capacity_cmd(
         if spec is None:
             raise ValueError(f"--mix {mix}: bench capacity runs conversations; this mix has none")
         setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, seed=seed).fleet_from(fleet)
-        ladder = Ladder(start, step, resolution, steps, warmup, settle, window)
+        plan = Plan(overload, settle, ceiling_window, hold, warmup, hold_window)
         names = tuple(p.strip() for p in policies.split(",") if p.strip())
-        bench_capacity(the_mix, spec, setup, ladder, out_dir, policies=names, log=out.print)
+        bench_capacity(the_mix, spec, setup, plan, out_dir, policies=names, log=out.print, jobs=jobs)
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
