@@ -7,9 +7,10 @@ same draws and conversations for every policy; each turn waits for the previous 
 1. the ceiling: offered ``Plan.overload`` x the computed capacity; after ``Plan.settle_s`` the turns answered per
    second over ``Plan.ceiling_s`` are the fleet's ceiling. Its conversations are then dropped (the load generator
    closes their connections) and the servers left to drain;
-2. the hold: new conversations at ``Plan.hold`` x the ceiling; ``Plan.warmup_s`` brings the open conversations to
-   their steady state, then ``Plan.hold_s`` is judged: the turn backlog (the load generator's turns sent and not yet
-   answered, sampled every ``SAMPLE_S``) flat and next to no failures, or not.
+2. the holds: new conversations at the first of ``Plan.holds`` x the ceiling; ``Plan.warmup_s`` brings the open
+   conversations to their steady state, then ``Plan.hold_s`` is judged: the turn backlog (the load generator's turns
+   sent and not yet answered, sampled every ``SAMPLE_S``) flat and next to no failures, or not. A hold that does not
+   sustain its rate is dropped and drained like the ceiling, and the next share is held.
 
 Offered rates are fractions of ``bench.multiturn``'s computed capacity (turns/s of as many standard servers at a
 full batch with a perfectly warm prefix cache), so both policies are measured on one scale. All durations in
@@ -41,6 +42,7 @@ from gateway.bench.capacity_judge import (
     compare,
     rate_and_error,
     saturated,
+    sustained_bounds,
     verdict,
 )  # fmt: skip
 from gateway.bench.conversations import Conversation, ConversationSpec, plan_conversations, turn_request
@@ -65,13 +67,13 @@ class Plan:
     overload: float = 1.4  # the ceiling phase's offered load, fraction of the computed capacity
     settle_s: float = 45.0
     ceiling_s: float = 60.0
-    hold: float = 0.9  # the hold phase's offered turns, share of the measured ceiling
+    holds: tuple[float, ...] = (0.9, 0.8)  # the holds' offered turns, shares of the ceiling: the next if one fails
     warmup_s: float = 50.0
     hold_s: float = 120.0
 
-    def wall_s(self) -> float:
-        """At most, per policy, with the fleet's start and the drain."""
-        return 15.0 + self.settle_s + self.ceiling_s + DRAIN_LIMIT_S + self.warmup_s + self.hold_s
+    def wall_s(self, holds: int = 1) -> float:
+        """Per policy with the fleet's start, ``holds`` holds and typical drains (the most: every hold run)."""
+        return 15.0 + self.settle_s + self.ceiling_s + holds * (10.0 + self.warmup_s + self.hold_s)
 
 
 @dataclass(slots=True)
@@ -207,27 +209,25 @@ def drain(ports: list[int], limit_s: float = DRAIN_LIMIT_S) -> float:
 class PolicyCapacity:
     policy: str
     ceiling: Step
-    hold: Step
-    sustained: bool
-    why: str
-    drain_s: float
     saturated: bool  # the ceiling phase kept every server's batch full on average
+    holds: tuple[tuple[Step, bool, str], ...]  # each hold with its verdict and why, until one sustained
     cpu: dict[str, float]
     wall_s: float
 
     @property
-    def sustainable(self) -> float:
-        """Turns per simulated second the hold sustained (NaN where it did not)."""
-        return self.hold.turns_rate if self.sustained else math.nan
+    def sustained(self) -> Step | None:
+        """The hold that sustained its rate (None: none did)."""
+        return next((h for h, ok, _ in self.holds if ok), None)
 
 
 def measure_policy(
     policy: str, rules: dict[str, Any], mix: Mix, spec: ConversationSpec, setup: Setup, capacity: float,
     per_conv: float, plan: Plan, log: Callable[[str], None] = print,
 ) -> PolicyCapacity:  # fmt: skip
-    """Start the policy's fleet, measure its ceiling, hold a share of it, stop the fleet."""
+    """Start the policy's fleet, measure its ceiling, hold shares of it until one is sustained, stop the fleet."""
     began = time.monotonic()
     name = LABELS[policy]
+    holds: list[tuple[Step, bool, str]] = []
     with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
         meter = CpuMeter(fleet.pids)
         meter.start()
@@ -240,17 +240,22 @@ def measure_policy(
             f"offered ({top.failed} failed, backlog {top.mean_backlog:.0f} for {slots} batch slots, late steps "
             f"{top.lag:.1%})"
         )
-        drained = drain(fleet.sim_ports)
-        hold_fraction = plan.hold * top.throughput / capacity
-        held = asyncio.run(phase(*args, fraction=hold_fraction, capacity=capacity, per_conv=per_conv,
-                                 settle_s=plan.warmup_s, window_s=plan.hold_s, index=2))  # fmt: skip
+        for i, share in enumerate(plan.holds):
+            drained = drain(fleet.sim_ports)
+            fraction = share * top.throughput / capacity
+            held = asyncio.run(phase(*args, fraction=fraction, capacity=capacity, per_conv=per_conv,
+                                     settle_s=plan.warmup_s, window_s=plan.hold_s, index=2 + i))  # fmt: skip
+            ok, why = verdict(held, len(fleet.sim_ports))
+            holds.append((held, ok, why))
+            log(
+                f"{name}: hold {share:.0%} of the ceiling, {held.turns_rate:.2f} turns/s (drained in {drained:.0f} s): "
+                f"{held.throughput:.2f} answered, {'sustained' if ok else 'NOT sustained'}: {why}"
+            )
+            if ok:
+                break
         cpu = meter.stop()
-    ok, why = verdict(held, len(fleet.sim_ports))
-    log(
-        f"{name}: hold {held.turns_rate:.2f} turns/s ({hold_fraction:.0%}): {held.throughput:.2f} answered, "
-        f"{'sustained' if ok else 'NOT sustained'}: {why} ({time.monotonic() - began:.0f} s; busiest {busiest(cpu)})"
-    )
-    return PolicyCapacity(policy, top, held, ok, why, drained, saturated(top, slots), cpu, time.monotonic() - began)
+    log(f"{name}: done ({time.monotonic() - began:.0f} s; busiest process {busiest(cpu)})")
+    return PolicyCapacity(policy, top, saturated(top, slots), tuple(holds), cpu, time.monotonic() - began)
 
 
 def _printed(line: str) -> None:
@@ -279,8 +284,9 @@ def bench_capacity(
     per_conv = sum(len(c.turns) for c in plan_conversations(spec, mix.classes, setup.seed, 400)) / 400
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
-        f"capacity {capacity:.2f} turns/s (simulated); planned: {len(policies)} policies x at most "
-        f"{plan.wall_s():.0f} s ≈ {len(policies) * plan.wall_s() / 60 / max(1, min(jobs, len(policies))):.1f} min"
+        f"capacity {capacity:.2f} turns/s (simulated); planned: {len(policies)} policies x {plan.wall_s():.0f} s "
+        f"(each hold after a failed one: {plan.wall_s(2) - plan.wall_s():.0f} s more) ≈ "
+        f"{len(policies) * plan.wall_s() / 60 / max(1, min(jobs, len(policies))):.1f} min"
     )
     before = os.getloadavg()[0]
     rules = {policy: policy_rules(policy, adaptive, root) for policy in policies}
@@ -295,12 +301,10 @@ def bench_capacity(
         machine += f"; {min(jobs, len(policies))} policies ran at once"
     (out_dir / "report.md").write_text(render(results, mix, setup, plan, how, machine))
     rows = [
-        {"policy": r.policy, "phase": name, **asdict(step), "throughput": step.throughput}
+        {"policy": r.policy, "phase": name, **asdict(step), "throughput": step.throughput, "sustained": ok, "why": why}
         for r in results
-        for name, step in (("ceiling", r.ceiling), ("hold", r.hold))
+        for name, step, ok, why in (("ceiling", r.ceiling, r.saturated, "saturated"), *(("hold", *h) for h in r.holds))
     ]
-    for r, row in zip(results, rows[1::2], strict=True):
-        row.update(sustained=r.sustained, why=r.why, drain_s=r.drain_s)
     (out_dir / "steps.json").write_text(json.dumps([{k: _finite(v) for k, v in row.items()} for row in rows], indent=1))
     return results
 
@@ -313,6 +317,7 @@ def render(
     results: list[PolicyCapacity], mix: Mix, setup: Setup, plan: Plan, how: str, machine: str
 ) -> str:  # fmt: skip
     rules = Rules()
+    shares = ", then ".join(f"{h:.0%}" for h in plan.holds)
     lines = [
         f"# specgate bench capacity: mix `{mix.name}`, fleet {setup.fleet}",
         "",
@@ -322,47 +327,63 @@ def render(
         f"- per policy, on one fleet: the ceiling (conversations offered at {plan.overload:.0%}, {plan.settle_s:g} s "
         f"to build the backlog, then the turns answered over {plan.ceiling_s:g} s, with a standard error from 6 "
         "sub-windows; saturated: a mean backlog of at least every server's full batch), its conversations dropped "
-        "and the servers drained, then the hold (new conversations at "
-        f"{plan.hold:.0%} of the ceiling, {plan.warmup_s:g} s of warm-up, {plan.hold_s:g} s judged); wall seconds, "
-        f"clock x{setup.time_scale:g}; seed {setup.seed}, the same conversations and arrival draws for every policy",
-        f"- the hold sustained its rate: the turn backlog's fitted rise over the window within {rules.rise_share:.0%}"
+        f"and the servers drained, then the holds (new conversations at {shares} of the ceiling until one sustains "
+        f"it, each {plan.warmup_s:g} s of warm-up and {plan.hold_s:g} s judged); wall seconds, clock "
+        f"x{setup.time_scale:g}; seed {setup.seed}, the same conversations and arrival draws for every policy",
+        f"- a hold sustained its rate: the turn backlog's fitted rise over the window within {rules.rise_share:.0%}"
         f" of its mean (or {rules.rise_floor:g} turns per server), and at most {rules.max_failed:.0%} of the answered"
-        " turns failed (`gateway/bench/capacity_judge.py` says why a ceiling and a hold, not a ladder of short steps)",
+        " turns failed (`gateway/bench/capacity_judge.py` says why a ceiling and holds, not a ladder of short steps)",
         f"- simulated servers: {setup.max_num_seqs} running sequences at most, per-token costs x{setup.scale}; rates "
         "in turns per simulated second",
         f"- machine: {machine}",
         "",
-        "| policy | ceiling: answered turns/s | +- (se) | failed | backlog | saturated | late steps | hold: offered "
-        "turns/s | answered | backlog mean | rise | failed | late steps | sustained |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| policy | ceiling: answered turns/s | +- (se) | failed | backlog mean | saturated | late steps |",
+        "|---|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
-        c, h = r.ceiling, r.hold
+        c = r.ceiling
         lines.append(
             f"| {LABELS[r.policy]} | {c.throughput:.2f} | {c.throughput_se:.2f} | {c.failed} | {c.mean_backlog:.0f} | "
-            f"{'yes' if r.saturated else 'no'} | {_pct(c.lag)} | {h.turns_rate:.2f} ({h.fraction:.0%}) | "
-            f"{h.throughput:.2f} | {h.mean_backlog:.0f} | "
-            f"{h.rise:+.0f} | {h.failed} | {_pct(h.lag)} | {'yes' if r.sustained else 'no'}: {r.why} |"
+            f"{'yes' if r.saturated else 'no'} | {_pct(c.lag)} |"
         )
+    lines += [
+        "",
+        "| policy | hold: offered turns/s | answered turns/s | backlog mean | rise | failed | late steps | sustained |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        for h, ok, why in r.holds:
+            lines.append(
+                f"| {LABELS[r.policy]} | {h.turns_rate:.2f} ({h.fraction:.0%}) | {h.throughput:.2f} | "
+                f"{h.mean_backlog:.0f} | {h.rise:+.0f} | {h.failed} | {_pct(h.lag)} | {'yes' if ok else 'no'}: {why} |"
+            )
     if len(results) >= 2:
-        mine, peer = results[0], results[1]
-        ratio = compare(mine.ceiling, peer.ceiling)
-        both = mine.sustained and peer.sustained
-        reading = ratio.reading() if mine.saturated and peer.saturated else "unknown: a ceiling phase was not saturated"
-        lines += [
-            "",
-            f"- {LABELS[mine.policy]} / {LABELS[peer.policy]}: ceiling {ratio.value:.2f}x (95% interval "
-            f"{ratio.lo:.2f}-{ratio.hi:.2f}); at least {LIMIT:g}x: **{reading}**"
-            + (
-                f"; both sustained {plan.hold:.0%} of their ceilings, so their sustainable rates compare the same"
-                if both
-                else "; **not both holds sustained**: the ceilings overstate what they sustain"
-            ),
-        ]
-    lags = [s.lag for r in results for s in (r.ceiling, r.hold) if not math.isnan(s.lag)]
+        lines += ["", *_comparison(results[0], results[1])]
+    lags = [s.lag for r in results for s in (r.ceiling, *(h for h, _, _ in r.holds)) if not math.isnan(s.lag)]
     if lags and max(lags) > 0.02:
         lines.append(f"- **the simulated servers ran late** by up to {max(lags):.1%}: the machine, not the fleet")
     return "\n".join([*lines, ""])
+
+
+def _comparison(mine: PolicyCapacity, peer: PolicyCapacity) -> list[str]:
+    """The first policy against the second: their ceilings, and their sustainable rates bounded by holds and
+    ceilings."""
+    who = f"{LABELS[mine.policy]} / {LABELS[peer.policy]}"
+    ratio = compare(mine.ceiling, peer.ceiling)
+    reading = ratio.reading() if mine.saturated and peer.saturated else "unknown: a ceiling phase was not saturated"
+    out = [f"- {who}, ceilings: {ratio.value:.2f}x (95% interval {ratio.lo:.2f}-{ratio.hi:.2f}); at least {LIMIT:g}x: "
+           f"**{reading}**"]  # fmt: skip
+    a, b = mine.sustained, peer.sustained
+    if a is None or b is None:
+        out.append(f"- {who}, sustainable rates: **unknown**: not both policies sustained a hold")
+        return out
+    bounds = sustained_bounds(a.turns_rate, mine.ceiling.throughput, b.turns_rate, peer.ceiling.throughput)
+    out.append(
+        f"- {who}, sustainable rates: {a.turns_rate:.2f} / {b.turns_rate:.2f} turns/s sustained = {bounds.value:.2f}x "
+        f"(each between its sustained hold and its ceiling: {bounds.lo:.2f}-{bounds.hi:.2f}x); at least {LIMIT:g}x: "
+        f"**{bounds.reading()}**"
+    )
+    return out
 
 
 def _pct(x: float) -> str:

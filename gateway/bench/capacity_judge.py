@@ -12,16 +12,16 @@ short steps judged by the backlog's trend cannot tell 90% from 110% of capacity.
   window's sub-windows give a standard error: batch means). Only if it was saturated: a mean backlog of at least
   every server's full batch (``saturated``), else the conversations had not built up yet and the rate is only
   what was offered;
-- the **hold**: a new set of conversations offered at a share of the ceiling (0.9 by default) for a long window,
-  after a warm-up that brings the open conversations to their steady state; sustained when the backlog shows no
-  growth (the least-squares line through samples taken every fraction of a second rises by at most
-  ``Rules.rise_share`` of the window's mean backlog, and at most ``Rules.rise_floor`` turns per server) and at most
-  ``Rules.max_failed`` of the turns answered in the window failed (a front that sheds its excess keeps its backlog
-  flat without sustaining the rate).
+- the **hold**: a new set of conversations offered at a share of the ceiling (0.9, then 0.8 if that fails) for a
+  long window, after a warm-up that brings the open conversations to their steady state; sustained when the
+  backlog shows no growth (the least-squares line through samples taken every fraction of a second rises by at
+  most ``Rules.rise_share`` of the window's mean backlog, a bound never below ``Rules.rise_floor`` turns per
+  server) and at most ``Rules.max_failed`` of the turns answered in the window failed (a front that sheds its
+  excess keeps its backlog flat without sustaining the rate).
 
-The sustainable rate is the hold's rate where the hold sustained it (a lower bound: the ceiling is the upper).
-Two fleets compare by their ceilings, with an interval from the two standard errors, and the comparison stands
-when both holds sustained their shares.
+The sustainable rate lies between the rate of the hold that sustained it and the ceiling. Two fleets compare by
+their ceilings, with an interval from the two standard errors, and by their sustained holds, with the bounds their
+holds and ceilings allow (``sustained_bounds``).
 """
 
 from __future__ import annotations
@@ -149,3 +149,13 @@ def compare(mine: Step, peer: Step) -> Comparison:
     sb = peer.throughput_se if not math.isnan(peer.throughput_se) else 0.0
     se = r * math.sqrt((sa / a) ** 2 + (sb / b) ** 2)
     return Comparison(r, r - Z95 * se, r + Z95 * se)
+
+
+def sustained_bounds(mine_hold: float, mine_ceiling: float, peer_hold: float, peer_ceiling: float) -> Comparison:
+    """The ratio of two sustainable rates, each known to lie between its sustained hold's rate and its ceiling: the
+    ratio of the holds, at least ``mine_hold / peer_ceiling`` and at most ``mine_ceiling / peer_hold``."""
+    if not (mine_hold > 0 and peer_hold > 0 and peer_ceiling > 0):
+        return Comparison(math.nan, math.nan, math.nan)
+    return Comparison(
+        mine_hold / peer_hold, mine_hold / max(peer_ceiling, peer_hold), max(mine_ceiling, mine_hold) / peer_hold
+    )

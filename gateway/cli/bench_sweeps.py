@@ -149,7 +149,10 @@ def bench_capacity_cmd(
     ] = 1.4,
     settle: Annotated[float, typer.Option(help="Wall seconds the ceiling phase builds its backlog.")] = 45.0,
     ceiling_window: Annotated[float, typer.Option(help="Wall seconds the ceiling is measured over.")] = 60.0,
-    hold: Annotated[float, typer.Option(help="The hold phase's offered turns, share of the measured ceiling.")] = 0.9,
+    holds: Annotated[
+        str,
+        typer.Option(help="The holds' offered turns, shares of the ceiling, comma-separated: the next if one fails."),
+    ] = "0.9,0.8",
     warmup: Annotated[float, typer.Option(help="Wall seconds of the hold phase before it is judged.")] = 50.0,
     hold_window: Annotated[float, typer.Option(help="Wall seconds the hold is judged over.")] = 120.0,
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md and steps.json.")] = Path(
@@ -171,7 +174,10 @@ def bench_capacity_cmd(
         if spec is None:
             raise ValueError(f"--mix {mix}: bench capacity runs conversations; this mix has none")
         setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, seed=seed).fleet_from(fleet)
-        plan = Plan(overload, settle, ceiling_window, hold, warmup, hold_window)
+        shares = tuple(float(x) for x in holds.split(",") if x.strip())
+        if not shares or not all(0 < x <= 1.5 for x in shares):
+            raise ValueError("--holds: shares of the ceiling, such as 0.9,0.8")
+        plan = Plan(overload, settle, ceiling_window, shares, warmup, hold_window)
         names = tuple(p.strip() for p in policies.split(",") if p.strip())
         bench_capacity(the_mix, spec, setup, plan, out_dir, policies=names, log=out.print, jobs=jobs)
     except (ValueError, OSError, RuntimeError) as exc:

@@ -105,3 +105,15 @@ def test_a_ceiling_counts_only_where_the_fleet_was_saturated() -> None:
 
     assert saturated(_step(mean=70, rise=20), slots=64)
     assert not saturated(_step(mean=22, rise=20), slots=64)  # the conversations had not built up yet
+
+
+def test_sustainable_rates_compare_within_their_holds_and_ceilings() -> None:
+    from gateway.bench.capacity_judge import sustained_bounds
+
+    b = sustained_bounds(mine_hold=6.5, mine_ceiling=7.2, peer_hold=5.1, peer_ceiling=6.4)
+    assert b.value == pytest.approx(6.5 / 5.1)
+    assert (b.lo, b.hi) == (pytest.approx(6.5 / 6.4), pytest.approx(7.2 / 5.1))
+    assert b.reading() == "met"
+    assert sustained_bounds(4.0, 4.4, 6.0, 6.6).reading() == "missed"  # 4.4 / 6.0 < 0.9
+    assert sustained_bounds(5.4, 6.0, 6.0, 6.6).reading() == "undecided"
+    assert math.isnan(sustained_bounds(5.0, 6.0, 0.0, 6.0).value)
