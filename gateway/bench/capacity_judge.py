@@ -36,8 +36,10 @@ Z95 = 1.96
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    rise_share: float = 0.25  # growth over the window, as a share of its mean backlog, that counts as a trend
-    rise_floor: float = 2.0  # ... and at least this many turns per server
+    # growth over the window, as a share of its mean backlog, that counts as a trend: a hold's backlog wanders by
+    # about a third of its mean over two simulated minutes; 10% over capacity adds about half of it
+    rise_share: float = 0.5
+    rise_floor: float = 4.0  # ... and at least this many turns per server
     max_failed: float = 0.01  # share of the window's answered turns that may fail
 
 

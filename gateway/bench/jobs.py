@@ -75,26 +75,30 @@ def job_process(parent_pid: int, poll_s: float = 0.5) -> None:
     follow_parent(parent_pid, poll_s)
 
 
-def signal_group(pid: int, sig: int) -> None:
-    """``sig`` to the process group ``pid`` leads, or to ``pid`` alone if it leads none (yet)."""
+def signal_group(pid: int, sig: int, alone: bool = True) -> None:
+    """``sig`` to the process group ``pid`` leads; where it leads none (yet), to ``pid`` alone if ``alone``."""
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+        if alone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     except PermissionError:
         pass  # the pid is no longer a group of ours
 
 
-def stop_jobs(pids: Sequence[int], alive: Callable[[], bool], grace_s: float = JOB_GRACE_S) -> None:
-    """SIGTERM to each job's group; once ``alive()`` is False or after ``grace_s``, SIGKILL to what is left of them."""
+def stop_jobs(procs: Sequence[multiprocessing.process.BaseProcess], grace_s: float = JOB_GRACE_S) -> None:
+    """SIGTERM to each job's group; once none of ``procs`` is alive or after ``grace_s``, SIGKILL to what is left of
+    their groups (and to a job process still alive outside its group)."""
+    pids = [p.pid for p in procs if p.pid is not None]
     for pid in pids:
         signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while alive() and time.monotonic() < deadline:
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in pids:
-        signal_group(pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.pid is not None:
+            signal_group(proc.pid, signal.SIGKILL, alone=proc.is_alive())
 
 
 def run_side_by_side(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], jobs: int) -> list[T]:
@@ -110,7 +114,7 @@ def run_side_by_side(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], job
     except BaseException:
         procs = list((pool._processes or {}).values())  # before shutdown forgets them
         pool.shutdown(wait=False, cancel_futures=True)
-        stop_jobs([p.pid for p in procs if p.pid is not None], lambda: any(p.is_alive() for p in procs))
+        stop_jobs(procs)
         raise
     pool.shutdown(wait=True)
     return results

@@ -37,10 +37,10 @@ def test_a_noisy_flat_backlog_is_flat_and_a_growing_one_grows() -> None:
     assert mean == pytest.approx(60, abs=3)
     ok, why = verdict(_step(mean, rise), servers=4)
     assert ok, why
-    # conversations piling up: 30 turns more at the end of the window than at its start
-    growing = [(t * 0.5, 60 + t / 8 + rng.gauss(0, 8)) for t in range(240)]
+    # conversations piling up: 60 turns more at the end of the window than at its start
+    growing = [(t * 0.5, 60 + t / 4 + rng.gauss(0, 8)) for t in range(240)]
     mean, rise = backlog_trend(growing)
-    assert rise == pytest.approx(30, abs=6)
+    assert rise == pytest.approx(60, abs=6)
     ok, why = verdict(_step(mean, rise), servers=4)
     assert not ok
     assert "grew" in why
@@ -51,8 +51,9 @@ def test_a_falling_backlog_is_sustained() -> None:
 
 
 def test_a_small_backlog_needs_a_few_turns_per_server_to_count_as_growth() -> None:
-    assert verdict(_step(mean=4, rise=6), servers=4)[0]  # under 2 turns per server
-    assert not verdict(_step(mean=4, rise=9), servers=4)[0]
+    assert verdict(_step(mean=4, rise=15), servers=4)[0]  # under 4 turns per server
+    assert not verdict(_step(mean=4, rise=17), servers=4)[0]
+    assert verdict(_step(mean=36, rise=14), servers=4)[0]  # within half the mean
 
 
 def test_shedding_is_not_sustaining_even_with_a_flat_backlog() -> None:
