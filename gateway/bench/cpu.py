@@ -6,7 +6,8 @@ cores every SSE event crosses three Python processes). ``CpuMeter`` reads each p
 ``/proc``; elsewhere it reports nothing) at the start and end of a load point; ``busy`` is CPU seconds per wall
 second, 1.0 being one core kept busy the whole time. A named process with processes of its own (a gateway with
 ``--workers N``: its supervisor, and the workers under it) is metered as itself plus each descendant as a process
-of its own (``gateway``, ``gateway child 1`` ...), found when the interval starts.
+of its own (``gateway``, ``gateway child 1`` ...), found when the interval starts; a child that stayed idle (a
+multiprocessing helper process) is left out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SATURATED = 0.8  # a process above this share of one core may have queued work of its own
+IDLE_CHILD = 0.005  # a child below this share of one core (a multiprocessing helper) is left out of the result
 
 
 def _stat(pid: int) -> list[bytes] | None:
@@ -94,7 +96,7 @@ class CpuMeter:
         out: dict[str, float] = {}
         for name, pid in (self._metered or self.pids).items():
             a, b = before.get(name), cpu_seconds(pid)
-            if a is not None and b is not None:
+            if a is not None and b is not None and (name in self.pids or b - a >= IDLE_CHILD * wall):
                 out[name] = (b - a) / wall
         return out
 

@@ -86,16 +86,28 @@ def test_the_fleet_stop_kills_what_ignores_sigterm_and_its_children() -> None:
     assert not _wait_gone([child], 30.0)
 
 
-def test_the_cpu_meter_counts_a_process_children_as_processes_of_their_own() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE)
+BUSY_CHILD = (
+    "import subprocess, sys, time\n"
+    "busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+    "idle = subprocess.Popen(['sleep', '120'])\n"
+    "print(busy.pid, idle.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_the_cpu_meter_counts_a_process_busy_children_as_processes_of_their_own() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_CHILD], stdout=subprocess.PIPE)
     assert proc.stdout is not None
     try:
-        child = int(proc.stdout.readline())
+        busy, idle = (int(x) for x in proc.stdout.readline().split())
+        assert {busy, idle} <= set(descendants(proc.pid))
         meter = CpuMeter({"gateway": proc.pid, "load generator": None})
         meter.start()
+        time.sleep(1.0)
         cpu = meter.stop()
-        assert set(cpu) == {"gateway", "gateway child 1", "load generator"}
-        assert all(share >= 0 for share in cpu.values())
-        assert child in descendants(proc.pid)
+        children = [name for name in cpu if name.startswith("gateway child ")]
+        assert len(children) == 1  # the busy one; the idle one is left out
+        assert cpu[children[0]] > 0
+        assert {"gateway", "load generator"} <= set(cpu)
     finally:
         stop_processes([proc], grace_s=0.5)
