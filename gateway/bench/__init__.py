@@ -10,8 +10,12 @@
 - ``gateway.bench.soak`` / ``gateway.bench.soak_checks``: many concurrent streams for a long time with faults on a
   schedule, and its invariants (one terminal outcome per request, gauges back to 0, flat memory, no busy endpoint
   ejected).
-- ``gateway.bench.policies`` (mixes: ``mix``, load: ``load``, report: ``plots``): routing policies across offered
-  loads on simulated pools; ``gateway.bench.peer``: the vllm-router peer policies' command line;
+- ``gateway.bench.policies`` (mixes: ``mix``, load: ``load``, report: ``plots``, paired intervals: ``paired`` and
+  ``variant``): routing policies across offered loads on simulated pools; ``gateway.bench.fleet``: a policy's
+  servers and front, started and stopped; ``gateway.bench.jobs``: policies side by side, and a sweep that stops
+  everything it started when interrupted; ``gateway.bench.peer``: the vllm-router peer policies' command line;
   ``gateway.bench.conversations`` / ``gateway.bench.multiturn`` / ``gateway.bench.multiturn_report``: multi-turn
-  mixes (the conversation plan, the sweep that sends them with the servers' prefix hit rate, its report).
+  mixes (the conversation plan, the sweep that sends them with the servers' prefix hit rate, its report);
+  ``gateway.bench.capacity`` / ``gateway.bench.capacity_report``: each policy's sustainable rate of conversations,
+  by a rising and bisected ladder of rates on one long run, judged by whether the turn backlog grows.
 """

@@ -30,11 +30,13 @@ import yaml
 
 from gateway.bench.conversations import Conversation, ConversationSpec, plan_conversations, turn_request
 from gateway.bench.cpu import CpuMeter
+from gateway.bench.fleet import clock_lag, policy_rules, running_fleet, sim_clocks
+from gateway.bench.jobs import interrupt_on_term, run_side_by_side
 from gateway.bench.load import Result, arrival_times, meets_targets, tpot_from_chunks
 from gateway.bench.mix import Mix, TrafficClass
 from gateway.bench.multiturn_report import MultiTurnPoint, TurnResult, write_multiturn_report
 from gateway.bench.points import LABELS, Setup
-from gateway.bench.policies import busiest, check_policies, clock_lag, policy_rules, running_fleet, sim_clocks
+from gateway.bench.policies import busiest, check_policies
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET
 from gateway.sim.physics import step_time
@@ -322,6 +324,18 @@ def _q(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))] if values else math.nan
 
 
+def _printed(line: str) -> None:
+    print(line, flush=True)
+
+
+def _multiturn_job(
+    policy: str, rules: dict[str, Any], mix: Mix, spec: ConversationSpec, loads: list[float], capacity: float,
+    setup: Setup, jsonl: Path,
+) -> list[MultiTurnPoint]:  # fmt: skip
+    """One policy's points in a process of its own (``jobs`` > 1)."""
+    return run_multiturn_policy(policy, rules, mix, spec, loads, capacity, setup, jsonl=jsonl, log=_printed)
+
+
 def bench_multiturn(
     mix: Mix,
     spec: ConversationSpec,
@@ -332,8 +346,10 @@ def bench_multiturn(
     policies: tuple[str, ...] = MULTITURN_POLICIES,
     root: Path = Path("."),
     log: Callable[[str], None] = print,
+    jobs: int = 1,
 ) -> list[MultiTurnPoint]:
-    """The multi-turn sweep: every policy at every load, one after the other; report.md and results.jsonl."""
+    """The multi-turn sweep: every policy at every load; report.md and results.jsonl. ``jobs`` > 1 runs that many
+    policies at once, each in a process of its own with its own servers (the same conversations for each)."""
     check_policies(policies)
     adaptive = yaml.safe_load(((root / mix.rules) if mix.rules else DEFAULT_RULES).read_text())
     if mix.output_len_median is not None:
@@ -350,13 +366,28 @@ def bench_multiturn(
     )
     before = os.getloadavg()[0]
     points: list[MultiTurnPoint] = []
-    for policy in policies:
-        rules = policy_rules(policy, adaptive, root)
-        points += run_multiturn_policy(policy, rules, mix, spec, loads, capacity, setup, jsonl=jsonl, log=log)
+    rules = {policy: policy_rules(policy, adaptive, root) for policy in policies}
+    with interrupt_on_term():  # SIGTERM stops the servers and the front as Ctrl-C does
+        if jobs > 1 and len(policies) > 1:
+            parts = {p: jsonl.with_name(f"{jsonl.stem}-{p}.jsonl") for p in policies}
+            for part in parts.values():
+                part.unlink(missing_ok=True)
+            calls = [(p, rules[p], mix, spec, loads, capacity, setup, parts[p]) for p in policies]
+            points = [pt for got in run_side_by_side(_multiturn_job, calls, jobs) for pt in got]
+            with jsonl.open("a") as out:
+                for part in parts.values():
+                    if part.exists():
+                        out.write(part.read_text())
+                        part.unlink()
+        else:
+            for policy in policies:
+                points += run_multiturn_policy(
+                    policy, rules[policy], mix, spec, loads, capacity, setup, jsonl=jsonl, log=log
+                )
     machine = (
         f"{os.cpu_count()} cores, load average {before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         "(the harness-CPU section shows what the bench's own processes used; the load average also counts what "
-        "else ran)"
+        "else ran)" + (f"; {min(jobs, len(policies))} policies ran at once" if jobs > 1 and len(policies) > 1 else "")
     )
     write_multiturn_report(points, mix, setup, how, out_dir, policies, machine)
     return points

@@ -10,6 +10,7 @@ from pathlib import Path
 from gateway.bench.mix import Mix, Target
 from gateway.bench.paired import LEVEL, Ratio, limits_at, paired_ratios, verdict
 from gateway.bench.points import FIRST_WARMUP, LABELS, POLICY_FILES, Point, Setup
+from gateway.bench.variant import variant_table
 
 METRICS: tuple[tuple[str, str, Callable[[Point], float]], ...] = (
     ("e2e_p50", "p50 E2E (s)", lambda p: p.summary.e2e[0]),
@@ -116,6 +117,8 @@ def target_check(points: list[Point], target: Target | None = None) -> list[str]
         return ["- the adaptive policy was not run: no target check"]
     mixed = [p for p in ("nginx",) if p in have]
     homo = [p for p in ("standard", "speculative") if p in have]
+    if not mixed and not homo:
+        return ["- neither a homogeneous fleet nor the NGINX rule was run: no target check"]
     if mixed:
         bad = [f"{load:.0%}" for load in loads if by[("adaptive", load)] > min(by[(m, load)] for m in mixed)]
         ok = "MET" if not bad else "NOT MET (at " + ", ".join(bad) + ")"
@@ -243,6 +246,7 @@ def render_report(
         *target_check(points, mix.target),
         "",
         *ratio_table(points, mix.target),
+        *variant_table(points, LAG_OK),
     ]
     for _key, label, get in METRICS:
         parts += [f"## {label}", "", table(points, get, 1 if "ms" in label else 2), ""]

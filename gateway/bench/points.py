@@ -12,9 +12,10 @@ from gateway.sim.presets import get_preset
 from gateway.sim.wire import OutputLengths
 
 POLICIES = (
-    "standard", "speculative", "nginx", "adaptive", "peer-cache-aware", "peer-round-robin", "peer-cache-aware-mixed"
+    "standard", "speculative", "nginx", "adaptive", "peer-cache-aware", "peer-round-robin", "peer-cache-aware-mixed",
+    "adaptive-no-affinity",
 )  # fmt: skip
-DEFAULT_POLICIES = POLICIES[:4]  # the peers (``bench.peer``) run only when asked for
+DEFAULT_POLICIES = POLICIES[:4]  # the peers (``bench.peer``) and the variant run only when asked for
 LABELS = {
     "standard": "2x standard",
     "speculative": "2x speculative",
@@ -23,6 +24,7 @@ LABELS = {
     "peer-cache-aware": "vllm-router cache_aware, standard fleet",
     "peer-round-robin": "vllm-router round_robin, standard fleet",
     "peer-cache-aware-mixed": "vllm-router cache_aware, mixed fleet",
+    "adaptive-no-affinity": "specgate adaptive, no prefix affinity",
 }
 POLICY_FILES = {
     "standard": "bench/policies/standard-only.yaml",

@@ -1,5 +1,5 @@
-"""``specgate bench load``, ``bench policies`` and ``bench reference``: the traffic-mix sweeps (listed in the
-``bench`` group's commands by ``gateway.cli.bench``)."""
+"""``specgate bench load``, ``bench policies``, ``bench capacity`` and ``bench reference``: the traffic-mix sweeps
+(listed in the ``bench`` group's commands by ``gateway.cli.bench``)."""
 
 from __future__ import annotations
 
@@ -127,10 +127,61 @@ def bench_policies_cmd(
         if spec is None:
             bench_policies(the_mix, fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
         else:
-            bench_multiturn(the_mix, spec, fractions, setup, out_dir, policies=names, log=out.print)
+            bench_multiturn(the_mix, spec, fractions, setup, out_dir, policies=names, log=out.print, jobs=jobs)
     except (ValueError, OSError, RuntimeError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"report: {out_dir / 'report.md'}", highlight=False)
+    out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
+
+
+def bench_capacity_cmd(
+    mix: Annotated[str, typer.Option(help="A multi-turn mix: a YAML file or a name in bench/mixes/.")] = "multiturn",
+    policies: Annotated[
+        str, typer.Option(help="Policies, comma-separated; the report gives the first's rate over the second's.")
+    ] = "adaptive,peer-cache-aware",
+    fleet: Annotated[str, typer.Option(help="Speculative+standard servers of the mixed fleet.")] = "2+2",
+    time_scale: Annotated[float, typer.Option(help="Simulator clock and controller time constants x this.")] = 0.5,
+    max_num_seqs: Annotated[int, typer.Option(help="Largest running batch of each simulated server.")] = 16,
+    scale: Annotated[int, typer.Option(help="Per-token costs x this: a batch stands for one this much larger.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and conversations (the same for every policy).")] = 7,
+    overload: Annotated[
+        float, typer.Option(help="The ceiling phase's offered load, fraction of the computed capacity.")
+    ] = 1.4,
+    settle: Annotated[float, typer.Option(help="Wall seconds the ceiling phase builds its backlog.")] = 45.0,
+    ceiling_window: Annotated[float, typer.Option(help="Wall seconds the ceiling is measured over.")] = 60.0,
+    holds: Annotated[
+        str,
+        typer.Option(help="The holds' offered turns, shares of the ceiling, comma-separated: the next if one fails."),
+    ] = "0.9,0.8",
+    warmup: Annotated[float, typer.Option(help="Wall seconds of the hold phase before it is judged.")] = 50.0,
+    hold_window: Annotated[float, typer.Option(help="Wall seconds the hold is judged over.")] = 120.0,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md and steps.json.")] = Path(
+        "bench-results/capacity"
+    ),
+    jobs: Annotated[int, typer.Option(help="Policies run at once, each in a process with its own servers.")] = 1,
+) -> None:
+    """Each policy's sustainable rate on a multi-turn mix: its ceiling (the turns it answers when offered too many),
+    then a long hold at a share of it judged by whether the turn backlog grows; the first policy's over the
+    second's."""
+    from gateway.bench.capacity import Plan, bench_capacity
+    from gateway.bench.conversations import spec_of
+    from gateway.bench.mix import load_mix
+    from gateway.bench.points import Setup
+
+    try:
+        the_mix = load_mix(mix)
+        spec = spec_of(the_mix)
+        if spec is None:
+            raise ValueError(f"--mix {mix}: bench capacity runs conversations; this mix has none")
+        setup = Setup(time_scale=time_scale, max_num_seqs=max_num_seqs, scale=scale, seed=seed).fleet_from(fleet)
+        shares = tuple(float(x) for x in holds.split(",") if x.strip())
+        if not shares or not all(0 < x <= 1.5 for x in shares):
+            raise ValueError("--holds: shares of the ceiling, such as 0.9,0.8")
+        plan = Plan(overload, settle, ceiling_window, shares, warmup, hold_window)
+        names = tuple(p.strip() for p in policies.split(",") if p.strip())
+        bench_capacity(the_mix, spec, setup, plan, out_dir, policies=names, log=out.print, jobs=jobs)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
     out.print((out_dir / "report.md").read_text(), highlight=False, soft_wrap=True, markup=False)
 
 
@@ -187,5 +238,6 @@ def bench_reference_cmd(
 COMMANDS: tuple[Command, ...] = (
     Command("load", bench_load_cmd),
     Command("policies", bench_policies_cmd),
+    Command("capacity", bench_capacity_cmd),
     Command("reference", bench_reference_cmd),
 )

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.bench.fleet import bench_rules, policy_rules
 from gateway.bench.load import (
     Result,
     arrival_span,
@@ -26,7 +27,7 @@ from gateway.bench.load import (
 from gateway.bench.mix import load_mix, parse_mix, plan_request
 from gateway.bench.plots import target_check
 from gateway.bench.points import POLICIES, Point, Setup
-from gateway.bench.policies import bench_rules, estimate_capacity, policy_rules
+from gateway.bench.policies import estimate_capacity
 from gateway.config.schema import RoutingRules
 from gateway.routing.classify import Classifier
 
@@ -281,7 +282,7 @@ def test_the_report_says_whether_the_harness_was_the_bottleneck() -> None:
 
 
 def test_a_points_clock_lag_is_its_worst_servers_share_of_late_steps() -> None:
-    from gateway.bench.policies import clock_lag, sim_clocks
+    from gateway.bench.fleet import clock_lag, sim_clocks
 
     before = [(1.0, 100.0), (0.0, 100.0), None]
     after = [(1.5, 150.0), (2.0, 150.0), (0.0, 10.0)]
@@ -337,9 +338,9 @@ def test_a_policy_process_stops_when_the_sweep_that_started_it_is_gone() -> None
     # a child whose "parent" pid is not its parent: the watcher interrupts its main thread at once
     code = (
         "import time\n"
-        "from gateway.bench.policies import _follow_parent\n"
+        "from gateway.bench.jobs import job_process\n"
         "try:\n"  # the interrupt may come before the next line starts on a loaded machine: inside the try
-        "    _follow_parent(-1, poll_s=0.01)\n"
+        "    job_process(-1, poll_s=0.01)\n"
         "    time.sleep(30)\n"
         "except KeyboardInterrupt:\n"
         "    print('stopped')\n"

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.fleet import policy_rules, servers_per_pool
 from gateway.bench.load import Summary, arrival_times
 from gateway.bench.mix import load_mix, parse_mix, plan_request
 from gateway.bench.plots import target_check
 from gateway.bench.points import Point, Setup
-from gateway.bench.policies import estimate_capacity, policy_rules, servers_per_pool
+from gateway.bench.policies import estimate_capacity
 from gateway.config.loader import load_rules_file
 from gateway.routing.classify import Classifier
 
@@ -91,7 +92,7 @@ def test_the_target_check_uses_the_mixs_target() -> None:
 
 
 def test_a_controller_time_scale_shortens_the_windows_below_one_load_point() -> None:
-    from gateway.bench.policies import bench_rules
+    from gateway.bench.fleet import bench_rules
 
     adaptive = load_rules_file(ROOT / "routing_rules" / "default.yaml").model_dump(
         mode="json", exclude_none=True, by_alias=True
