@@ -23,7 +23,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,7 @@ class Fleet:
     pids: dict[str, int | None]  # process name -> pid, for ``CpuMeter`` (None: this process)
     spec_pools: frozenset[str]
     model: str
+    endpoints: dict[str, int] = field(default_factory=dict)  # the gateway's endpoint id -> its server's port
 
 
 @contextlib.contextmanager
@@ -233,9 +234,15 @@ def running_fleet(
                 pids={"load generator": None, front: procs[-1].pid, **servers},
                 spec_pools=spec_pools,
                 model=model or rules["pools"][0]["models"][0],
+                endpoints={} if router is not None else _endpoint_ports(ports),
             )
     finally:
         stop_processes(procs)
+
+
+def _endpoint_ports(ports: dict[str, list[int]]) -> dict[str, int]:
+    """The endpoint ids ``bench_rules`` gives the servers, with their ports."""
+    return {f"{pool}-sim-{i}": port for pool, plist in ports.items() for i, port in enumerate(plist)}
 
 
 def sim_clocks(ports: list[int]) -> list[tuple[float, float] | None]:

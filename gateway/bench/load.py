@@ -114,6 +114,7 @@ class Result:
     pool: str = ""
     route_class: str = ""
     good: bool = False
+    endpoint: str = ""  # the gateway's x-specgate-endpoint (empty: another front, or no answer)
 
     @property
     def ok(self) -> bool:

@@ -37,6 +37,7 @@ from gateway.bench.mix import Mix, TrafficClass
 from gateway.bench.multiturn_report import MultiTurnPoint, TurnResult, write_multiturn_report
 from gateway.bench.points import LABELS, Setup
 from gateway.bench.policies import busiest, check_policies
+from gateway.bench.prefix_precision import Snapshot, TurnMirror, capacities, precision, snapshot
 from gateway.config.packaged import DEFAULT_RULES
 from gateway.sim.launch import PRESET
 from gateway.sim.physics import step_time
@@ -138,6 +139,7 @@ async def send_turn(
             res.status = r.status
             res.pool = r.headers.get("x-specgate-pool", "")
             res.route_class = r.headers.get("x-specgate-class", "")
+            res.endpoint = r.headers.get("x-specgate-endpoint", "")
             if r.status != 200:
                 res.error = (await r.text())[:200]
             elif stream:
@@ -210,9 +212,11 @@ async def run_conversations(
     at_window: Callable[[], Any] | None = None,
     window_at: float = 0.0,
     timeout_s: float = 600.0,
+    mirror: TurnMirror | None = None,
 ) -> list[TurnResult]:
     """Each conversation from its start (wall seconds from now), turn after turn, until ``stop_at``; every turn's
-    result. ``at_window`` (a coroutine function) runs once at ``window_at``, while the conversations go on."""
+    result. ``at_window`` (a coroutine function) runs once at ``window_at``, while the conversations go on.
+    ``mirror``: replays the gateway's prefix index, for each turn's predicted hit tokens."""
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     out: list[TurnResult] = []
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
@@ -230,7 +234,8 @@ async def run_conversations(
                 req = turn_request(conv, t, answers, model, send_task_header=send_task_header)
                 res, answer, (prompt, cached) = await send_turn(session, url, req, turn.cls, sent, time_scale)
                 changed = t > 0 and turn.cls.name != conv.turns[t - 1].cls.name
-                out.append(TurnResult(conv.index, t, conv.kind, res, prompt, cached, changed))
+                predicted = mirror.record(res.endpoint, req[0], req[1]) if mirror is not None else None
+                out.append(TurnResult(conv.index, t, conv.kind, res, prompt, cached, changed, predicted))
                 if not res.ok:
                     return  # the history is broken: the conversation ends here
                 answers.append(answer)
@@ -262,6 +267,7 @@ def run_multiturn_policy(
     # the servers report each answer's cached prompt tokens, as vLLM does with this flag
     with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
         meter = CpuMeter(fleet.pids)
+        mirror = TurnMirror(asyncio.run(_capacities(fleet.endpoints))) if fleet.endpoints else None
         for i, load in enumerate(loads):
             rate = load * capacity
             conv_rate = rate / per_conv
@@ -274,6 +280,7 @@ def run_multiturn_policy(
             async def at_window(marks: dict[str, Any] = marks) -> None:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
                     marks["counters"] = await prefix_counters(s, fleet.sim_ports)
+                    marks["predicted"] = await snapshot(s, fleet.url, fleet.endpoints) if fleet.endpoints else None
                 marks["lag"] = sim_clocks(fleet.sim_ports)
                 meter.start()
 
@@ -282,21 +289,24 @@ def run_multiturn_policy(
                 run_conversations(
                     fleet.url, convs, starts, model=fleet.model, time_scale=setup.time_scale, stop_at=span,
                     send_task_header=mix.send_task_header, at_window=at_window, window_at=setup.warmup_s,
+                    mirror=mirror,
                 )
             )  # fmt: skip
             cpu = meter.stop()
 
-            async def counters() -> tuple[float, float]:
+            async def counters() -> tuple[tuple[float, float], Snapshot | None]:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-                    return await prefix_counters(s, fleet.sim_ports)
+                    sums = await prefix_counters(s, fleet.sim_ports)
+                    return sums, (await snapshot(s, fleet.url, fleet.endpoints) if fleet.endpoints else None)
 
-            hits, queries = asyncio.run(counters())
+            (hits, queries), predicted_after = asyncio.run(counters())
             hits0, queries0 = marks.get("counters", (math.nan, math.nan))
             lag = clock_lag(marks.get("lag", [None] * len(fleet.sim_ports)), sim_clocks(fleet.sim_ports))
             measured = tuple(t for t in turns if t.result.sent_s >= setup.warmup_s)
             point = MultiTurnPoint(
                 policy, load, rate, conv_rate, setup.duration_s / setup.time_scale, measured,
                 hits - hits0, queries - queries0, cpu, lag, time.monotonic() - began,
+                precision(marks.get("predicted"), predicted_after),
             )  # fmt: skip
             points.append(point)
             if jsonl is not None:
@@ -304,6 +314,7 @@ def run_multiturn_policy(
                     for t in measured:
                         row = {"policy": policy, "load": load, "conversation": t.conversation, "turn": t.turn,
                                "kind": t.kind, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                               "predicted_hit_tokens": t.predicted_tokens,
                                "class_changed": t.class_changed, **asdict(t.result)}  # fmt: skip
                         f.write(json.dumps({k: _finite(v) for k, v in row.items()}) + "\n")
             ok = [r for r in point.results if r.ok]
@@ -314,6 +325,11 @@ def run_multiturn_policy(
                 f"prefix hits {point.hit_rate:.0%} ({point.wall_s:.0f} s; busiest process {busiest(cpu)})"
             )
     return points
+
+
+async def _capacities(endpoints: dict[str, int]) -> dict[str, int]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        return await capacities(s, endpoints)
 
 
 def _finite(v: Any) -> Any:

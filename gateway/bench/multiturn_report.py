@@ -16,6 +16,7 @@ from gateway.bench.load import Result, percentile
 from gateway.bench.mix import Mix
 from gateway.bench.peer import PEER_POLICIES
 from gateway.bench.points import LABELS, POLICY_FILES, Setup
+from gateway.bench.prefix_precision import BLOCK_TOKENS, EndpointPrecision, overall, shortfall
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class TurnResult:
     prompt_tokens: int = 0  # from the answer's usage
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (None: not reported)
     class_changed: bool = False  # this turn's class differs from the previous turn's
+    predicted_tokens: int | None = None  # the gateway's predicted hit tokens, replayed (None: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class MultiTurnPoint:
     cpu: dict[str, float] = field(default_factory=dict)
     lag: float = math.nan
     wall_s: float = 0.0
+    precision: tuple[EndpointPrecision, ...] = ()  # per endpoint: predicted and measured hit tokens (specgate)
 
     @property
     def results(self) -> list[Result]:
@@ -161,6 +164,38 @@ def cached_shares(points: list[MultiTurnPoint]) -> list[str]:
     return [*lines, ""] if shown else []
 
 
+def prefix_precision(points: list[MultiTurnPoint]) -> list[str]:
+    """The gateway's predicted hit tokens against the servers' measured ones per endpoint, and the share of turns
+    predicted warmer than they were: how far the approximate index is from the caches."""
+    shown = [p for p in points if p.precision and overall(p.precision).predicted > 0]
+    if not shown:
+        return []
+    lines = [
+        "## Prefix index against the caches (predicted / measured hit tokens over the window)",
+        "",
+        "Predicted: the gateway's `specgate_prefix_predicted_hit_tokens_total` (64-character chunks x 16, no "
+        "tokenizer); measured: each server's `vllm:prefix_cache_hits_total`. Short turns: the turn's "
+        f"`cached_tokens` fell short of the prediction (replayed in the harness) by more than one block "
+        f"({BLOCK_TOKENS} tokens). A ratio near 1 with few short turns leaves precise block matching (vLLM's own "
+        "block hashes) little to gain; above 1, the index thought endpoints warmer than they were.",
+        "",
+        "| policy | offered load | endpoint | predicted | measured | predicted / measured |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for p in shown:
+        for r in (*p.precision, overall(p.precision)):
+            lines.append(
+                f"| {LABELS[p.policy]} | {p.load:.0%} | {r.endpoint} | {r.predicted:.0f} | {r.measured:.0f} | "
+                f"{_fmt(r.ratio, 2)} |"
+            )
+    lines += ["", "| policy | offered load | short turns | turns compared | share |", "|---|---:|---:|---:|---:|"]
+    for p in shown:
+        short, counted = shortfall((t.predicted_tokens, t.cached_tokens) for t in p.turns)
+        share = _fmt(short / counted if counted else math.nan, 3)
+        lines.append(f"| {LABELS[p.policy]} | {p.load:.0%} | {short} | {counted} | {share} |")
+    return [*lines, ""]
+
+
 def harness(points: list[MultiTurnPoint]) -> list[str]:
     measured = [p for p in points if p.cpu]
     if not measured:
@@ -232,6 +267,7 @@ def render_multiturn_report(
     parts += intervals(points)
     parts += by_kind(points)
     parts += cached_shares(points)
+    parts += prefix_precision(points)
     parts += harness(points)
     return "\n".join(parts)
 
