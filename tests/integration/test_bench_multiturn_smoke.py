@@ -40,3 +40,7 @@ def test_responses_conversations_through_the_gateway(tmp_path: Path) -> None:
     report = (tmp_path / "report.md").read_text()
     assert "specgate in front of 1+1" in report
     assert "## cached share of prompt tokens" in report
+    # the gateway's predicted prefix hits against each server's counters, one row per endpoint
+    assert [r.endpoint for r in point.precision] == ["speculative-sim-0", "standard-sim-0"]
+    assert all(r.predicted >= 0 and r.measured >= 0 for r in point.precision)
+    assert all(r["endpoint"] in ("speculative-sim-0", "standard-sim-0") for r in rows)
