@@ -267,7 +267,9 @@ def run_multiturn_policy(
     # the servers report each answer's cached prompt tokens, as vLLM does with this flag
     with running_fleet(policy, rules, setup, mix.model, ("--enable-prompt-tokens-details",)) as fleet:
         meter = CpuMeter(fleet.pids)
-        mirror = TurnMirror(asyncio.run(_capacities(fleet.endpoints))) if fleet.endpoints else None
+        # one gateway process: its indexes replayed for each turn's prediction (several keep one index each)
+        replay = bool(fleet.endpoints) and setup.gateway_workers == 1
+        mirror = TurnMirror(asyncio.run(_capacities(fleet.endpoints))) if replay else None
         for i, load in enumerate(loads):
             rate = load * capacity
             conv_rate = rate / per_conv

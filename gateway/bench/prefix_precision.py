@@ -11,7 +11,7 @@ rendering and chunk hashes (``gateway.routing.prompt_key``) into a ``PrefixIndex
 server's ``vllm:cache_config_info``, fed each turn in the order the answers arrive (the gateway's measured-hit
 correction of the size is not replayed). A turn whose reported cached tokens
 (``usage.prompt_tokens_details.cached_tokens``) fall short of that prediction by more than one block is one the
-gateway thought warmer than it was.
+gateway thought warmer than it was. With several gateway processes (each its own indexes) no turn is replayed.
 """
 
 from __future__ import annotations
