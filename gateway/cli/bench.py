@@ -44,8 +44,8 @@ def bench_overhead_cmd(
     distinct: Annotated[
         bool,
         typer.Option(
-            help="Also measure a new prompt on every request, with and without prefix affinity, in turns with CPU "
-            "per request (wrk only)."
+            help="Also measure a new prompt on every request, with and without prefix affinity, in --duration "
+            "one-second turns with CPU per request (wrk only)."
         ),
     ] = True,
     base_tree: Annotated[
