@@ -5,8 +5,9 @@ Hashing is vLLM's default (``--prefix-caching-hash-algo sha256``): a block's has
 (protocol 5) of ``(parent hash, tuple of the block's token ids, None)``, the first block's parent being
 ``NONE_HASH``. Here that seed is fixed (the SHA-256 of the pickled string ``"vllm-none-hash"``) so runs repeat;
 vLLM draws a random one per process when ``PYTHONHASHSEED`` is unset and hashes its value when set. Only full
-blocks are hashed, so a block's hash names the whole prefix up to its end: change one early token and every later block's hash changes. KV events carry the low 64 bits of a hash as an unsigned integer
-(``external_hash``), as vLLM does by default.
+blocks are hashed, so a block's hash names the whole prefix up to its end: change one early token and every later
+block's hash changes. KV events carry the low 64 bits of a hash as an unsigned integer (``external_hash``), as
+vLLM does by default.
 
 ``PrefixCache`` holds every cached block's reference count (how many running sequences use it). A block nobody
 holds stays cached in free KV memory, in ``free`` order (least recently used first); the engine calls
