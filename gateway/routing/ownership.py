@@ -10,14 +10,17 @@ do:
 
 - **Order** (``outranked``): a class is *outranked* on its speculative pool while a speculative-home class there
   with a clearly higher acceptance rate (``MARGIN``) is off it by more than ``MIN_OFF`` of its requests and decides
-  by load (its guard not tripped, not forced, enough samples). An outranked class takes no share onto that pool and
-  hands back what it has there first (the controller's ``order`` rule); once the better class is back, the others
-  may follow it again.
-- **Visitors** (``visitor_limit``, ``full_for_visitors``): a request drawn onto a pool away from its class's home
+  by load (its guard not tripped, not forced, enough samples). Off by its share, or by the requests the pool did
+  not answer in its last window, whichever is more: a class whose share stays whole while its in-flight spill
+  sends a fifth of it to the standard pool is pushed off as much as one that moved a fifth of its share. An
+  outranked class takes no share onto that pool and hands back what it has there first (the controller's
+  ``order`` rule); once the better class is back, the others may follow it again.
+- **Visitors** (``visitor_limit``, ``visitor_goes_home``): a request drawn onto a pool away from its class's home
   by load goes home instead while that pool has as many requests in flight per endpoint as the home classes there
-  that carry traffic take before they spill (the lowest ``route.saturation`` limit among them). A class at home
-  there with no request in the last window is no one to protect: counting it (the strictest limit in the YAML, say
-  a mid-temperature class nobody sends) kept visitors off a pool its busy classes left room on.
+  that carry traffic take before they spill (the lowest ``route.saturation`` limit among them) and home is the
+  less loaded pool, as it must be for those classes to spill. A class at home there with no request in the last
+  window is no one to protect: counting it (the strictest limit in the YAML, say a mid-temperature class nobody
+  sends) kept visitors off a pool its busy classes left room on.
 - **Spill** (``should_spill``): a class at home spills to ``route.saturated`` while its pool is over its in-flight
   limit and the other pool is the less loaded one.
 
@@ -65,6 +68,14 @@ class Standing:
     share: float  # on the speculative pool
     home: PoolKind
     deciding: bool  # its own load decisions move it: not forced, guard neither tripped nor locked, enough samples
+    # the share of its requests that pool answered in its last window (None: too few counted): below ``share``
+    # when its in-flight saturation spill sends some of them to the other pool, which its share does not show
+    answered: float | None = None
+
+    @property
+    def on_pool(self) -> float:
+        """How much of the class is on its speculative pool: its share, or less where fewer were answered there."""
+        return self.share if self.answered is None else min(self.share, self.answered)
 
 
 def outranked(standings: Iterable[Standing]) -> dict[str, str]:
@@ -81,7 +92,7 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
                 or h.spec_pool != c.spec_pool
                 or h.home != "speculative"
                 or not h.deciding
-                or h.share > 1.0 - MIN_OFF - 1e-9  # off by more than MIN_OFF: a share of 0.9 is not
+                or h.on_pool > 1.0 - MIN_OFF - 1e-9  # off by more than MIN_OFF: a share of 0.9 is not
                 or h.rate is None
                 or h.rate < c.rate + MARGIN
             ):
@@ -93,9 +104,12 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
     return out
 
 
-def standing_of(name: str, spec_pool: str, controller: Controller, spec_estimate: Estimate | None) -> Standing:
+def standing_of(
+    name: str, spec_pool: str, controller: Controller, spec_estimate: Estimate | None, answered: float | None = None
+) -> Standing:
     """The class as the order sees it, from its controller's last round and its last speculative estimate: it
-    decides by load unless forced, held by its guard, moved last by a safety move, stale or short of samples."""
+    decides by load unless forced, held by its guard, moved last by a safety move, stale or short of samples.
+    ``answered``: the share of its requests its speculative pool answered in its last window (None: unknown)."""
     snap = controller.snapshot()
     obs = snap.last_observation
     deciding = (
@@ -108,7 +122,7 @@ def standing_of(name: str, spec_pool: str, controller: Controller, spec_estimate
         and obs.samples >= controller.config.min_samples
     )
     rate = None if spec_estimate is None else spec_estimate.acceptance
-    return Standing(name, spec_pool, rate, controller.share, controller.home, deciding)
+    return Standing(name, spec_pool, rate, controller.share, controller.home, deciding, answered)
 
 
 # -- visitors ------------------------------------------------------------------------------------------------
@@ -133,11 +147,27 @@ def visitor_limits(rules: RoutingRules, carries: Callable[[str], bool] | None = 
 
 
 def full_for_visitors(pool: PoolLoad | None, limit: int | None) -> bool:
-    """The pool has as many requests in flight per endpoint as ``limit`` (its ``visitor_limit``): a share of
-    another class drawn onto it goes home instead, so that visitors never push the pool's own traffic off it."""
+    """The pool has as many requests in flight per endpoint as ``limit`` (its ``visitor_limit``): past it the pool's
+    own classes would spill (``visitor_goes_home`` says whether a visitor drawn onto it goes home)."""
     if pool is None or limit is None or pool.routable_endpoints == 0:
         return False
     return pool.in_flight >= limit * pool.routable_endpoints
+
+
+def visitor_goes_home(
+    away: PoolLoad | None, home: PoolLoad | None, limit: int | None, speeds: Mapping[str, float] | None = None
+) -> bool:
+    """A request drawn onto ``away`` (a pool away from its class's home, by load) goes ``home`` instead: ``away`` is
+    full for visitors (``full_for_visitors``) and ``home`` is the less loaded pool, weighed as ``should_spill``
+    weighs them (``speeds``: the visitor class's time per output token on each pool).
+
+    The pool's own classes spill at that limit only onto a less loaded pool (``should_spill``); while their other
+    pool is the busier one they stay, and so does the visitor: sending it home then puts it in the longer queue
+    and makes no room for them (measured: two speculative and one standard server, chat-heavy mix from 70% load,
+    the standard server's queue held the p99 while the speculative servers sat at their visitor limit)."""
+    if not full_for_visitors(away, limit) or away is None or home is None or home.routable_endpoints == 0:
+        return False
+    return _less_loaded(home, away, speeds)
 
 
 # -- spill ---------------------------------------------------------------------------------------------------
@@ -168,9 +198,15 @@ def should_spill(
     fifth of its requests at 30% load onto a standard pool that decoded it 3x slower, p99 +30%)."""
     if saturated is None or saturated.routable_endpoints == 0 or not is_saturated(route, preferred):
         return False
-    here, there = _per_endpoint(preferred), _per_endpoint(saturated)
+    return _less_loaded(saturated, preferred, speeds)
+
+
+def _less_loaded(there: PoolLoad, here: PoolLoad, speeds: Mapping[str, float] | None) -> bool:
+    """``there`` is less loaded than ``here``: fewer requests per endpoint, each weighted by the class's time per
+    output token on that pool when both are known (``speeds``)."""
+    n_here, n_there = _per_endpoint(here), _per_endpoint(there)
     if speeds:
-        slow_here, slow_there = speeds.get(preferred.name), speeds.get(saturated.name)
+        slow_here, slow_there = speeds.get(here.name), speeds.get(there.name)
         if slow_here and slow_there and slow_here > 0 and slow_there > 0:
-            return (there + 1.0) * slow_there < (here + 1.0) * slow_here
-    return there < here
+            return (n_there + 1.0) * slow_there < (n_here + 1.0) * slow_here
+    return n_there < n_here

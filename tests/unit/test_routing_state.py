@@ -322,3 +322,43 @@ def test_a_class_with_less_acceptance_yields_the_speculative_pool_to_one_with_mo
     assert json_last is not None
     assert json_last.outranked_by is None
     assert rs.snapshot()["json"]["share"] == 0.75
+
+
+def test_the_order_counts_the_requests_a_class_spilled_off_the_pool_not_only_its_share() -> None:
+    ctl = {"window_s": 1, "min_samples": 4, "min_hold_s": 0, "share_step": 0.25, "balance_margin": 1.05}
+    r = RoutingRules.model_validate(
+        {
+            "defaults": {"controller": ctl},
+            "pools": POOLS,
+            "classes": [
+                {
+                    "name": "json",
+                    "when": {"temperature": {"lte": 0.1}},
+                    "route": {"preferred": "spec", "saturated": "std", "saturation": {"max_inflight_per_endpoint": 2}},
+                },
+                {"name": "chat", "route": {"preferred": "std"}},
+            ],
+        }
+    )
+    metrics = GatewayMetrics()
+    rs = RoutingState(lambda: r, metrics.registry, clock=lambda: 0.0)
+    rs._classes["json"].controller._last_reason = "load"
+    rs._classes["chat"].controller._share = 0.25  # chat took a share of the speculative pool by load
+    queued_std = {"spec": view("spec", running=4), "std": view("std", running=4, waiting=8)}
+
+    def round_(t: float, json_on_std: int) -> str | None:
+        for i in range(10):  # json's share stays whole; its in-flight spill answers some on std
+            rs.choose("json", RNG, temperature=0.0)
+            rs.choose("chat", RNG, temperature=0.9)
+            metrics.observe_request("json", "std" if i < json_on_std else "spec", "ok", 1.0, None, None)
+        rs.on_scrape_round(t, queued_std)
+        obs = rs._classes["chat"].controller.snapshot().last_observation
+        assert obs is not None
+        return obs.outranked_by
+
+    round_(1.0, 0)  # the first round: no window of answers yet
+    assert round_(2.5, 1) is None  # a tenth of json answered off the pool: not pushed off
+    assert rs._classes["json"].controller.share == 1.0
+    before = rs.snapshot()["chat"]["share"]  # chat took more of the pool meanwhile: the standard one queues
+    assert round_(4.0, 3) == "json"  # three in ten spilled: chat yields though json's share is whole
+    assert rs.snapshot()["chat"]["share"] == before - 0.25  # a full step back, whatever its own costs say
