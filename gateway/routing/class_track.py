@@ -21,7 +21,6 @@ from gateway.routing.controller import Controller
 from gateway.routing.controller_rules import ControllerState
 from gateway.routing.estimate import AcceptanceSource, Estimate, Observation, estimate, rate_from_per_token
 
-REQUESTS = "specgate_requests_total"  # finished requests by class, pool and outcome
 DRAFT_TOKENS = "specgate_class_draft_tokens"
 ACCEPTED_TOKENS = "specgate_class_accepted_draft_tokens"
 DEFAULT_TPOT_S = 0.03  # a 70B model's time per output token when neither pool has a measurement
@@ -85,8 +84,6 @@ class ClassTrack:
     fresh: deque[tuple[float, Observation]] = field(default_factory=deque)
     # visitors of this class on its pool away from home go home from this many in flight per endpoint there
     visitor_limit: int | None = None
-    # (time, finished on its speculative pool, finished on either pool) at each round, oldest first
-    answered: deque[tuple[float, float, float]] = field(default_factory=deque)
 
     @property
     def away_pool(self) -> str:
@@ -181,43 +178,6 @@ def class_rate(c: ClassTrack, acceptance: float | None) -> tuple[float, Acceptan
     if not c.prior_fixed and c.seen_acceptance is not None:
         c.prior = rate_from_per_token(c.seen_acceptance, c.k)
     return c.prior, "prior"
-
-
-def answered_shares(
-    classes: Mapping[str, ClassTrack], registry: CollectorRegistry, now: float
-) -> dict[str, float | None]:
-    """``answered_share`` of every class, from one read of the request counter."""
-    counts = class_pool_counts(registry)
-    return {name: answered_share(c, now, counts, name) for name, c in classes.items()}
-
-
-def answered_share(c: ClassTrack, now: float, counts: Mapping[tuple[str, str], float], name: str) -> float | None:
-    """The share of the class's requests that finished on its speculative pool over its last window (its in-flight
-    spill and retries included, which its share does not show), from ``counts`` (``class_pool_counts``); None while
-    fewer than ``min_samples`` finished on its two pools in the window."""
-    on_spec = counts.get((name, c.spec_pool), 0.0)
-    total = on_spec + counts.get((name, c.std_pool), 0.0)
-    cfg = c.controller.config
-    c.answered.append((now, on_spec, total))
-    while len(c.answered) > 1 and c.answered[1][0] <= now - cfg.window_s:
-        c.answered.popleft()
-    _, base_spec, base_total = c.answered[0]
-    d_total = total - base_total
-    if d_total < max(1, cfg.min_samples):
-        return None
-    return min(1.0, max(0.0, (on_spec - base_spec) / d_total))
-
-
-def class_pool_counts(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
-    """Cumulative finished requests per (class, pool), every outcome, from the gateway's request counter."""
-    out: dict[tuple[str, str], float] = {}
-    for family in registry.restricted_registry([REQUESTS]).collect():
-        for sample in family.samples:
-            if sample.name != REQUESTS:
-                continue
-            key = (sample.labels.get("class", ""), sample.labels.get("pool", ""))
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
 
 
 def class_draft_counts(registry: CollectorRegistry) -> tuple[dict[str, float], dict[str, float]]:

@@ -10,11 +10,9 @@ do:
 
 - **Order** (``outranked``): a class is *outranked* on its speculative pool while a speculative-home class there
   with a clearly higher acceptance rate (``MARGIN``) is off it by more than ``MIN_OFF`` of its requests and decides
-  by load (its guard not tripped, not forced, enough samples). Off by its share, or by the requests the pool did
-  not answer in its last window, whichever is more: a class whose share stays whole while its in-flight spill
-  sends a fifth of it to the standard pool is pushed off as much as one that moved a fifth of its share. An
-  outranked class takes no share onto that pool and hands back what it has there first (the controller's
-  ``order`` rule); once the better class is back, the others may follow it again.
+  by load (its guard not tripped, not forced, enough samples). An outranked class takes no share onto that pool and
+  hands back what it has there first (the controller's ``order`` rule); once the better class is back, the others
+  may follow it again.
 - **Visitors** (``visitor_limit``, ``visitor_goes_home``): a request drawn onto a pool away from its class's home
   by load goes home instead while that pool has as many requests in flight per endpoint as the home classes there
   that carry traffic take before they spill (the lowest ``route.saturation`` limit among them) and home is the
@@ -68,14 +66,6 @@ class Standing:
     share: float  # on the speculative pool
     home: PoolKind
     deciding: bool  # its own load decisions move it: not forced, guard neither tripped nor locked, enough samples
-    # the share of its requests that pool answered in its last window (None: too few counted): below ``share``
-    # when its in-flight saturation spill sends some of them to the other pool, which its share does not show
-    answered: float | None = None
-
-    @property
-    def on_pool(self) -> float:
-        """How much of the class is on its speculative pool: its share, or less where fewer were answered there."""
-        return self.share if self.answered is None else min(self.share, self.answered)
 
 
 def outranked(standings: Iterable[Standing]) -> dict[str, str]:
@@ -92,7 +82,7 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
                 or h.spec_pool != c.spec_pool
                 or h.home != "speculative"
                 or not h.deciding
-                or h.on_pool > 1.0 - MIN_OFF - 1e-9  # off by more than MIN_OFF: a share of 0.9 is not
+                or h.share > 1.0 - MIN_OFF - 1e-9  # off by more than MIN_OFF: a share of 0.9 is not
                 or h.rate is None
                 or h.rate < c.rate + MARGIN
             ):
@@ -104,12 +94,9 @@ def outranked(standings: Iterable[Standing]) -> dict[str, str]:
     return out
 
 
-def standing_of(
-    name: str, spec_pool: str, controller: Controller, spec_estimate: Estimate | None, answered: float | None = None
-) -> Standing:
+def standing_of(name: str, spec_pool: str, controller: Controller, spec_estimate: Estimate | None) -> Standing:
     """The class as the order sees it, from its controller's last round and its last speculative estimate: it
-    decides by load unless forced, held by its guard, moved last by a safety move, stale or short of samples.
-    ``answered``: the share of its requests its speculative pool answered in its last window (None: unknown)."""
+    decides by load unless forced, held by its guard, moved last by a safety move, stale or short of samples."""
     snap = controller.snapshot()
     obs = snap.last_observation
     deciding = (
@@ -122,7 +109,7 @@ def standing_of(
         and obs.samples >= controller.config.min_samples
     )
     rate = None if spec_estimate is None else spec_estimate.acceptance
-    return Standing(name, spec_pool, rate, controller.share, controller.home, deciding, answered)
+    return Standing(name, spec_pool, rate, controller.share, controller.home, deciding)
 
 
 # -- visitors ------------------------------------------------------------------------------------------------
@@ -163,8 +150,8 @@ def visitor_goes_home(
 
     The pool's own classes spill at that limit only onto a less loaded pool (``should_spill``); while their other
     pool is the busier one they stay, and so does the visitor: sending it home then puts it in the longer queue
-    and makes no room for them (measured: two speculative and one standard server, chat-heavy mix from 70% load,
-    the standard server's queue held the p99 while the speculative servers sat at their visitor limit)."""
+    and makes no room for them (measured: two speculative and one standard server, chat-heavy mix at 70% load, the
+    slowest requests were chat on the single standard server)."""
     if not full_for_visitors(away, limit) or away is None or home is None or home.routable_endpoints == 0:
         return False
     return _less_loaded(home, away, speeds)

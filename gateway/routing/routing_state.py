@@ -30,10 +30,8 @@ Per controlled class and round it builds one ``Observation`` of the class's two 
   (``latency_p95``, from the gateway's own per-request timings; None without a request there).
 
 Order: a class is outranked on its speculative pool while a speculative-home class there with clearly more
-acceptance is partly off it (``gateway.routing.ownership``, from the last round's standings: its share, or the share
-of its requests that pool answered in the window when that is less: ``specgate_requests_total`` by class and pool,
-this process's); its observation says so and its controller takes nothing onto that pool and hands back its share
-there first.
+acceptance is partly off it (``gateway.routing.ownership``, from the last round's standings); its observation says so
+and its controller takes nothing onto that pool and hands back its share there first.
 
 Probes: while a class's controller says so (``Controller.probe_share``), ``choose`` sends that share of a class
 sitting wholly on standard to the speculative pool (``specgate_controller_probes_total{class}``, the
@@ -61,7 +59,7 @@ from gateway.config.controller import PROBE_CAP
 from gateway.config.schema import ControllerConfig, PoolKind, RoutingRules, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.batch_slope import PoolSpeeds
-from gateway.routing.class_track import ClassTrack, Why, answered_shares, class_draft_counts, observe_pools, windowed
+from gateway.routing.class_track import ClassTrack, Why, class_draft_counts, observe_pools, windowed
 from gateway.routing.class_track import ProbeChange as ProbeChange  # re-exported: the audit's input
 from gateway.routing.class_track import RouteChoice as RouteChoice  # re-exported: the decision's input
 from gateway.routing.controller import Controller, Transition
@@ -248,10 +246,8 @@ class RoutingState:
             self.adopt({})
         out: list[Transition] = []
         window: dict[str, float] = {}  # each class's requests in its last window (cluster-wide)
-        answered = answered_shares(self._classes, self._registry, now)
         ranks = outranked(
-            standing_of(name, c.spec_pool, c.controller, c.estimates[0], answered[name])
-            for name, c in self._classes.items()
+            standing_of(name, c.spec_pool, c.controller, c.estimates[0]) for name, c in self._classes.items()
         )
         for name, c in self._classes.items():
             cfg = c.controller.config

@@ -83,15 +83,3 @@ def test_an_outranked_class_never_gains_share_and_shares_stay_in_bounds(
         assert 0.0 <= c.share <= 1.0
         if by:
             assert c.share <= before
-
-
-def test_a_class_whose_requests_spill_off_the_pool_outranks_though_its_share_is_whole() -> None:
-    chat = standing("chat", 0.3, 0.2, home="standard")
-    spilled = Standing("json", "spec", 0.75, 1.0, "speculative", True, answered=0.8)
-    assert spilled.on_pool == 0.8
-    assert outranked([spilled, chat]) == {"chat": "json"}
-    # a tenth or less answered elsewhere (retries, a burst) is not pushed off; unknown counts as its share
-    assert outranked([Standing("json", "spec", 0.75, 1.0, "speculative", True, answered=0.9), chat]) == {}
-    assert outranked([Standing("json", "spec", 0.75, 1.0, "speculative", True, answered=None), chat]) == {}
-    # answered more than its share (a retry landed there) does not hide a share moved off
-    assert Standing("json", "spec", 0.75, 0.5, "speculative", True, answered=0.7).on_pool == 0.5
