@@ -17,8 +17,8 @@ POLICIES = (
 )  # fmt: skip
 DEFAULT_POLICIES = POLICIES[:4]  # the peers (``bench.peer``) and the variant run only when asked for
 LABELS = {
-    "standard": "2x standard",
-    "speculative": "2x speculative",
+    "standard": "all standard",
+    "speculative": "all speculative",
     "nginx": "NGINX temperature rule",
     "adaptive": "specgate adaptive",
     "peer-cache-aware": "vllm-router cache_aware, standard fleet",

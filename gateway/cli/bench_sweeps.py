@@ -93,7 +93,7 @@ def bench_policies_cmd(
         ),
     ] = 1,
 ) -> None:
-    """Routing policies (2x standard, 2x speculative, a common NGINX rule, specgate adaptive, vllm-router peers) on
+    """Routing policies (all standard, all speculative, a common NGINX rule, specgate adaptive, vllm-router peers) on
     simulated pools across offered loads: report.md, PNG plots, raw JSONL. A multi-turn mix (one with
     conversations) sends conversations and reports prefix-cache hit rates."""
     from gateway.bench.conversations import spec_of

@@ -59,7 +59,7 @@ def test_policies_side_by_side_give_the_same_report_and_one_jsonl(tmp_path: Path
     assert "2 policies ran at once" in report
     assert "late steps of the worst server" in report
     assert "bootstrap interval" in report
-    assert "| 30% | 2x standard |" in report
+    assert "| 30% | all standard |" in report
 
 
 def test_low_loads_get_more_runs_until_the_minimum_request_count() -> None:
