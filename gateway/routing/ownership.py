@@ -13,12 +13,11 @@ do:
   by load (its guard not tripped, not forced, enough samples). An outranked class takes no share onto that pool and
   hands back what it has there first (the controller's ``order`` rule); once the better class is back, the others
   may follow it again.
-- **Visitors** (``visitor_limit``, ``visitor_goes_home``): a request drawn onto a pool away from its class's home
+- **Visitors** (``visitor_limit``, ``full_for_visitors``): a request drawn onto a pool away from its class's home
   by load goes home instead while that pool has as many requests in flight per endpoint as the home classes there
-  that carry traffic take before they spill (the lowest ``route.saturation`` limit among them) and home is the
-  less loaded pool, as it must be for those classes to spill. A class at home there with no request in the last
-  window is no one to protect: counting it (the strictest limit in the YAML, say a mid-temperature class nobody
-  sends) kept visitors off a pool its busy classes left room on.
+  that carry traffic take before they spill (the lowest ``route.saturation`` limit among them). A class at home
+  there with no request in the last window is no one to protect: counting it (the strictest limit in the YAML, say
+  a mid-temperature class nobody sends) kept visitors off a pool its busy classes left room on.
 - **Spill** (``should_spill``): a class at home spills to ``route.saturated`` while its pool is over its in-flight
   limit and the other pool is the less loaded one.
 
@@ -134,27 +133,11 @@ def visitor_limits(rules: RoutingRules, carries: Callable[[str], bool] | None = 
 
 
 def full_for_visitors(pool: PoolLoad | None, limit: int | None) -> bool:
-    """The pool has as many requests in flight per endpoint as ``limit`` (its ``visitor_limit``): past it the pool's
-    own classes would spill (``visitor_goes_home`` says whether a visitor drawn onto it goes home)."""
+    """The pool has as many requests in flight per endpoint as ``limit`` (its ``visitor_limit``): a share of
+    another class drawn onto it goes home instead, so that visitors never push the pool's own traffic off it."""
     if pool is None or limit is None or pool.routable_endpoints == 0:
         return False
     return pool.in_flight >= limit * pool.routable_endpoints
-
-
-def visitor_goes_home(
-    away: PoolLoad | None, home: PoolLoad | None, limit: int | None, speeds: Mapping[str, float] | None = None
-) -> bool:
-    """A request drawn onto ``away`` (a pool away from its class's home, by load) goes ``home`` instead: ``away`` is
-    full for visitors (``full_for_visitors``) and ``home`` is the less loaded pool, weighed as ``should_spill``
-    weighs them (``speeds``: the visitor class's time per output token on each pool).
-
-    The pool's own classes spill at that limit only onto a less loaded pool (``should_spill``); while their other
-    pool is the busier one they stay, and so does the visitor: sending it home then puts it in the longer queue
-    and makes no room for them (measured: two speculative and one standard server, chat-heavy mix at 70% load, the
-    slowest requests were chat on the single standard server)."""
-    if not full_for_visitors(away, limit) or away is None or home is None or home.routable_endpoints == 0:
-        return False
-    return _less_loaded(home, away, speeds)
 
 
 # -- spill ---------------------------------------------------------------------------------------------------
@@ -185,15 +168,9 @@ def should_spill(
     fifth of its requests at 30% load onto a standard pool that decoded it 3x slower, p99 +30%)."""
     if saturated is None or saturated.routable_endpoints == 0 or not is_saturated(route, preferred):
         return False
-    return _less_loaded(saturated, preferred, speeds)
-
-
-def _less_loaded(there: PoolLoad, here: PoolLoad, speeds: Mapping[str, float] | None) -> bool:
-    """``there`` is less loaded than ``here``: fewer requests per endpoint, each weighted by the class's time per
-    output token on that pool when both are known (``speeds``)."""
-    n_here, n_there = _per_endpoint(here), _per_endpoint(there)
+    here, there = _per_endpoint(preferred), _per_endpoint(saturated)
     if speeds:
-        slow_here, slow_there = speeds.get(here.name), speeds.get(there.name)
+        slow_here, slow_there = speeds.get(preferred.name), speeds.get(saturated.name)
         if slow_here and slow_there and slow_here > 0 and slow_there > 0:
-            return (n_there + 1.0) * slow_there < (n_here + 1.0) * slow_here
-    return n_there < n_here
+            return (there + 1.0) * slow_there < (here + 1.0) * slow_here
+    return there < here

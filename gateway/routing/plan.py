@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gateway.config.schema import Route
 from gateway.errors import NoCapacity
-from gateway.routing.ownership import should_spill, visitor_goes_home
+from gateway.routing.ownership import full_for_visitors, should_spill
 from gateway.routing.warm_home import WarmHome, warm_home
 
 # The route reason of a Responses API follow-up: it goes only to the endpoint holding its conversation.
@@ -113,10 +113,9 @@ def plan_route(
     each kind among route.preferred / route.saturated.
     ``visitor_limit``: the controller drew the pool away from home by load (its share, not a probe, a force, the
     guard or the safe state), and that pool takes visitors up to this many requests in flight per endpoint
-    (``ownership.visitor_limit``; None: not a visitor, or no limit); past it the draw goes home instead while home
-    is the less loaded pool (``ownership.visitor_goes_home``; reason ``controller:<kind>:full``): otherwise a share
-    of open chat drawn onto a busy speculative pool would push the JSON and code at home there onto the standard
-    pool, the two classes swapping places to everyone's loss.
+    (``ownership.visitor_limit``; None: not a visitor, or no limit); past it the draw goes home instead (reason
+    ``controller:<kind>:full``): otherwise a share of open chat drawn onto a busy speculative pool would push the
+    JSON and code at home there onto the standard pool, the two classes swapping places to everyone's loss.
     The in-flight saturation rule (``ownership.should_spill``: over the limit, and the saturated pool less
     loaded) still applies on top while the controller picks ``route.preferred``: it reacts at once, the controller
     only once per round. When the controller picks ``route.saturated`` that pool is not checked (the limit is
@@ -156,7 +155,7 @@ def plan_route(
         named = {route.preferred, route.saturated, *route.fallback}
         order = [first] + [n for n in by_kind.values() if n != first and n in named]
         decided = "probe" if probe else why if why in ("guard", "stale") else "split" if split else "controller"
-        if first != route.preferred and visitor_goes_home(pools.get(first), preferred, visitor_limit, speeds):
+        if first != route.preferred and full_for_visitors(pools.get(first), visitor_limit):
             order = [route.preferred] + ([first] if first in named else [])
             decided = "full"
         if warmth is not None:
