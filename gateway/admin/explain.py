@@ -50,6 +50,7 @@ from gateway.fleet.affinity import assess
 from gateway.fleet.pools import PoolState
 from gateway.fleet.prefix_index import TOKENS_PER_CHUNK
 from gateway.fleet.vllm_metrics import PoolLoadView
+from gateway.proxy.app import PROXY_ROUTES
 from gateway.routing import overload
 from gateway.routing.classify import TASK_HEADER, ApiKind
 from gateway.routing.decision import Decision, decide
@@ -60,15 +61,9 @@ from gateway.routing.prompt_key import prompt_chunks
 from gateway.runtime.container import Runtime
 from gateway.runtime.live import LiveConfig
 
-# The client paths explain covers, and the classifier's endpoint for each (None: embeddings, not classified).
-ENDPOINTS: Mapping[str, ApiKind | None] = MappingProxyType(
-    {
-        "/v1/chat/completions": "chat",
-        "/v1/completions": "completions",
-        "/v1/responses": "responses",
-        "/v1/embeddings": None,
-    }
-)
+# The client paths explain covers, the proxy's classified POSTs, and the request shape the classifier reads for
+# each (None: embeddings, not classified).
+ENDPOINTS: Mapping[str, ApiKind | None] = MappingProxyType({r.path: r.endpoint for r in PROXY_ROUTES})
 DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
 TENANT_HEADER = "x-specgate-tenant"  # explain only: the tenant to explain for (the admin request has no client key)
 
@@ -169,7 +164,7 @@ def _step_reason(i: int, name: str, plan: Plan, klass: TrafficClass | None, roun
 
 
 def plan_steps(plan: Plan, live: LiveConfig, klass: TrafficClass | None, max_attempts: int) -> list[dict[str, Any]]:
-    """The attempts in the order the proxy makes them (``attempts.candidates``): each pool of the plan once, then
+    """The attempts in the order the proxy makes them (``attempts.attempt_order``): each pool of the plan once, then
     again with endpoints not yet tried, up to ``max_attempts``. Each attempt only happens if the one before failed
     before the first byte reached the client."""
     views = live.views()

@@ -21,7 +21,7 @@ from gateway.proxy.app import PROXY_ROUTES
 from gateway.proxy.http import parse_object
 from gateway.proxy.json_depth import bracket_count, check_json_containers, check_json_depth
 from gateway.proxy.record import RequestRecord
-from gateway.routing.attempts import AttemptPolicy, candidates
+from gateway.routing.attempts import AttemptPolicy, attempt_order
 from gateway.routing.classify import TASK_HEADER
 from gateway.routing.decision import decide
 from gateway.routing.plan import Plan
@@ -85,7 +85,7 @@ def _lay_out(
     chosen: list[EndpointState] = []
     addrs: list[str] = []
     owner: dict[str, PoolState] = {}
-    for pool, ep in candidates(Plan(order, ""), pools, rng):  # the attempt loop's order
+    for pool, ep in attempt_order(Plan(order, ""), pools, rng):  # the attempt loop's order
         if len(chosen) >= limit:
             break
         addr = address(ep.url)

@@ -4,6 +4,7 @@
   state, prefix affinity) declared in ``metrics_fleet``; ``metrics_workers``: their merge across ``--workers``;
   ``latency_window``: recent latencies for the latency guard's quantiles; ``exemplars``: which latency observations
   carry a trace exemplar (one per bucket per second).
+- ``metrics_routes``: the class controllers' (route-state transitions, state, share and probe gauges).
 - ``tenant_metrics``: the per-tenant metrics (a tenants file only).
 - ``logs``: one JSON line per request and per event.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.

@@ -10,7 +10,7 @@
 
 Errors on every way in are rendered by ``gateway.proxy.http.error_response``. To forward one more POST path to the
 pools, add a ``ProxyRoute`` to ``PROXY_ROUTES`` (and, when its body is classified, its shape to
-``gateway.routing.classify.Endpoint``).
+``gateway.routing.classify.ApiKind``); ``specgate explain`` covers every path of the table.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from gateway.routing.attempts import (
     AttemptPolicy,
     PoolStatusError,
     StreamStartError,
-    candidates,
+    attempt_order,
     exhausted,
     status_result,
 )
@@ -79,7 +79,7 @@ async def open_upstream(
     full: list[str] = []  # planned pools that admitted no more (admission control), in plan order
     sent = 0
     usage_body: bytes | None = None  # the body with stream_options.include_usage, once built (not when b"")
-    tries = candidates(job.plan, pools, rng, job.prompt) if job.pinned is None else iter((job.pinned,))
+    tries = attempt_order(job.plan, pools, rng, job.prompt) if job.pinned is None else iter((job.pinned,))
     lease = policy.budget.lease()
     try:
         for pool, ep in tries:

@@ -132,7 +132,7 @@ def failure_result(exc: UpstreamError, *, queueing: bool = False) -> AttemptResu
 # --- the order of attempts
 
 
-def candidates(
+def attempt_order(
     plan: Plan, pools: Mapping[str, PoolState], rng: random.Random, prompt: Sequence[int] = ()
 ) -> Iterator[tuple[PoolState, EndpointState]]:
     """Pools in plan order, one endpoint each, then round again with endpoints not yet tried. ``prompt``: the

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import Literal
 
 from gateway.config.schema import ControllerConfig, PoolKind
 from gateway.routing.estimate import Observation
@@ -58,8 +58,6 @@ Reason = Literal[
     "locked",
     "manual",
 ]
-REASONS: tuple[Reason, ...] = get_args(Reason)
-SAFETY_REASONS: frozenset[Reason] = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
 LOAD_REASONS: frozenset[Reason] = frozenset({"load", "load_recovered", "reenabled"})
 Holding = Literal["forced", "stale", "min_samples", "locked", "guard", "hold", "cap", "step", "order"]
 Outcome = Literal["pass", "adjust", "decide"]
@@ -391,7 +389,6 @@ RULES: tuple[Rule, ...] = (
     cap,
     take_step,
 )
-RULE_NAMES: tuple[str, ...] = tuple(r.__name__ for r in RULES)
 
 
 def evaluate(s: Situation, rules: tuple[Rule, ...] = RULES) -> tuple[Verdict, Guard]:

@@ -85,13 +85,6 @@ def endpoint_busy(ep: EndpointState, spec: PoolSpec, now: float, *, workers: int
     return others >= spec.max_connections
 
 
-def has_headroom(pool: PoolState, now: float, workers: int = 1) -> bool:
-    """Some routable endpoint of the pool is not busy, and the pool admits one more request."""
-    if not admits(pool, workers):
-        return False
-    return any(e.routable and not endpoint_busy(e, pool.spec, now, workers=workers) for e in pool.endpoints)
-
-
 def limits(pools: Mapping[str, PoolState], workers: int = 1) -> dict[str, int | None]:
     """Each pool's current admission bound in this process (for the gauge and ``specgate explain``)."""
     return {

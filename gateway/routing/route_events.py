@@ -1,5 +1,6 @@
-"""What the route changes of the controlled classes leave behind: the route state's metric families, a log line
-on the ``specgate.controller`` logger, or the owner's callback (the audit log, which records it in one line).
+"""What the route changes of the controlled classes leave behind: the route state's metrics (the families of
+``gateway.observability.metrics_routes``), a log line on the ``specgate.controller`` logger, or the owner's callback
+(the audit log, which records it in one line).
 
 - a transition: ``specgate_controller_transitions_total{class,from,to,reason}``, the
   ``specgate_class_route_state{class,state}`` gauge, ``on_transition`` or a ``controller_transition`` line;
@@ -14,9 +15,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from gateway.observability.logs import log_event
+from gateway.observability.metrics_routes import RouteMetrics
 from gateway.routing.class_track import ProbeChange
 from gateway.routing.controller import Controller, Transition
 from gateway.routing.controller_rules import ControllerState
@@ -24,46 +26,6 @@ from gateway.routing.controller_rules import ControllerState
 logger = logging.getLogger("specgate.controller")
 
 STATES: tuple[ControllerState, ...] = ("speculative", "split", "standard")
-
-
-class RouteMetrics:
-    """The route state's metric families (one set per registry): transitions, state and share gauges, probes."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.transitions = Counter(
-            "specgate_controller_transitions_total",
-            "Route-state changes of a traffic class's controller, by reason.",
-            ["class", "from", "to", "reason"],
-            registry=registry,
-        )
-        # Every worker runs its own controllers: the merge shows 1 for a state while any live worker has it.
-        self.route_state = Gauge(
-            "specgate_class_route_state",
-            "1 for the traffic class's current route state (speculative, split or standard), 0 for the others.",
-            ["class", "state"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.share = Gauge(
-            "specgate_class_speculative_share",
-            "Share of the traffic class's requests the controller sends to the speculative pool first.",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.probes = Counter(
-            "specgate_controller_probes_total",
-            "Requests a class controller sent to the speculative pool to measure the class's acceptance (probes).",
-            ["class"],
-            registry=registry,
-        )
-        self.probe_share = Gauge(
-            "specgate_class_probe_share",
-            "Share of the traffic class's requests sent to the speculative pool as probes (0: not probing).",
-            ["class"],
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
 
 
 class RouteEvents:

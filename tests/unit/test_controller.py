@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, get_args
 
 import pydantic
 import pytest
@@ -15,8 +15,12 @@ from hypothesis import strategies as st
 from gateway.config.schema import ControllerConfig, PoolKind, TrafficClass
 from gateway.fleet.vllm_metrics import PoolLoadView
 from gateway.routing.controller import Controller, Transition
-from gateway.routing.controller_rules import LOAD_REASONS, REASONS, SAFETY_REASONS, ControllerState
+from gateway.routing.controller_rules import LOAD_REASONS, ControllerState, Reason
 from gateway.routing.estimate import Observation, estimate
+
+REASONS = get_args(Reason)
+# The moves that go straight to share 0 or 1, at once (the rest are load steps, or on-call's and the sample count's).
+SAFETY_REASONS = frozenset({"stale", "acceptance_floor", "latency_regression", "locked"})
 
 BASE: dict[str, Any] = {
     "window_s": 10.0,

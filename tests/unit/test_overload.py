@@ -115,15 +115,6 @@ def test_endpoint_busy_by_fresh_scraped_queue_or_own_in_flight() -> None:
     assert overload.endpoint_busy(no_seqs.endpoints[0], no_seqs.spec, 100.0)  # every connection taken
 
 
-def test_headroom_needs_one_endpoint_not_busy_and_admission() -> None:
-    p = pool(max_num_seqs=2)
-    p.endpoints[0].in_flight = 2
-    assert overload.has_headroom(p, 100.0)  # p1 is idle
-    p.endpoints[1].note_queue(1, fresh_until=101.0)
-    assert not overload.has_headroom(p, 100.0)
-    assert overload.has_headroom(p, 102.0)
-
-
 def test_classify_tells_a_queueing_timeout_from_a_dead_endpoint() -> None:
     pol = policy()
     p = pool(max_num_seqs=2)
