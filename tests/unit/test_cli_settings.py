@@ -205,3 +205,28 @@ def test_epp_shares_the_fields_it_names() -> None:
     assert params["port"].default == 9002
     assert params["api_keys"].hidden
     assert {"metrics_port", "usage_bytes", "kube_selector", "kube_namespace", "kube_port"} <= set(params)
+
+
+def every_command(group: Any, path: str = "") -> Any:
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from every_command(command, f"{path}{name} ")
+        else:
+            yield f"{path}{name}", command
+
+
+def test_an_option_read_from_a_settings_variable_has_the_fields_default() -> None:
+    """A command's own option that reads a setting's variable (``specgate demo --port``, ``SPECGATE_PORT``) keeps
+    the field's default, or none at all (None: worked out when the command runs, as demo's admin port is)."""
+    fields = {env_name(f.name): f for f in dataclasses.fields(Settings)}
+    checked = []
+    for name, command in every_command(typer.main.get_command(app)):
+        if name in ("serve", "epp"):  # built from the fields (above)
+            continue
+        for p in command.params:
+            f = fields.get(p.envvar) if isinstance(p.envvar, str) else None
+            if f is None or f.default is dataclasses.MISSING:
+                continue
+            checked.append(f"{name} {p.name}")
+            assert p.default in (None, f.default), f"{name} {p.opts}: default {p.default!r}, the field's {f.default!r}"
+    assert "demo port" in checked
