@@ -186,6 +186,11 @@ def plan_route(
     return _plan(route, model, pools, order, decided, pick, warm)
 
 
+# The route reason of each way a pool kind goes first, ``{}`` its kind; the controller's other ways are
+# ``controller:<way>:<kind>``.
+_REASONS = {"forced": "forced:{}", "controller": "controller:{}", "full": "controller:{}:full", "warm": "warm:{}"}
+
+
 def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | None = None) -> str:
     """The one route reason of a plan (the ``x-specgate-route`` header, the access log's ``route_reason``, the
     ``specgate_route_decisions_total`` label and explain's ``plan.reason``): what put the first pool first.
@@ -201,15 +206,8 @@ def route_reason(decided: str, kind: str | None, displaced: tuple[str, str] | No
         return f"{pool} drained" if why == "drained" else f"{pool} unavailable"
     if decided in ("preferred", "saturated") or kind is None:
         return decided
-    if decided == "forced":
-        return f"forced:{kind}"
-    if decided == "controller":
-        return f"controller:{kind}"
-    if decided == "full":
-        return f"controller:{kind}:full"
-    if decided == "warm":
-        return f"warm:{kind}"
-    return f"controller:{decided}:{kind}"  # split, probe, guard, stale
+    template = _REASONS.get(decided)
+    return template.format(kind) if template is not None else f"controller:{decided}:{kind}"  # split, probe, ...
 
 
 def _forced_plan(

@@ -17,7 +17,7 @@ anything unexpected is left out.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -56,13 +56,13 @@ def _dumps(value: Any) -> str:
         return ""
 
 
+def _objects(value: Any) -> Iterator[dict[str, Any]]:
+    """The objects of a JSON array (chat's messages, a Responses input); none when it is not an array."""
+    return (i for i in value if isinstance(i, dict)) if isinstance(value, list) else iter(())
+
+
 def _chat(body: Mapping[str, Any], out: list[str]) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
+    for m in _objects(body.get("messages")):
         role = m.get("role")
         out += (_SEP, role if isinstance(role, str) else "", _ROLE, _content(m.get("content")))  # joined once
         calls = m.get("tool_calls")
@@ -81,11 +81,7 @@ def _responses(body: Mapping[str, Any], out: list[str]) -> None:
     if isinstance(raw, str):
         out.append(_SEP + "user" + _ROLE + raw)
         return
-    if not isinstance(raw, list):
-        return
-    for item in raw:
-        if not isinstance(item, dict):
-            continue
+    for item in _objects(raw):
         role = item.get("role")
         if isinstance(role, str):
             out.append(_SEP + role + _ROLE + _content(item.get("content")))
