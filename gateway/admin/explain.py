@@ -63,15 +63,15 @@ from gateway.runtime.live import LiveConfig
 
 # The client paths explain covers, the proxy's classified POSTs, and the request shape the classifier reads for
 # each (None: embeddings, not classified).
-ENDPOINTS: Mapping[str, ApiKind | None] = MappingProxyType({r.path: r.endpoint for r in PROXY_ROUTES})
+APIS: Mapping[str, ApiKind | None] = MappingProxyType({r.path: r.api for r in PROXY_ROUTES})
 DEFAULT_PATH = EXPLAIN_DEFAULT_PATH
 TENANT_HEADER = "x-specgate-tenant"  # explain only: the tenant to explain for (the admin request has no client key)
 
 
-def endpoint_for(path: str) -> ApiKind | None:
-    if path not in ENDPOINTS:
-        raise InvalidParameter(f"explain covers the paths {', '.join(ENDPOINTS)}; got {path!r}", param="path")
-    return ENDPOINTS[path]
+def api_for(path: str) -> ApiKind | None:
+    if path not in APIS:
+        raise InvalidParameter(f"explain covers the paths {', '.join(APIS)}; got {path!r}", param="path")
+    return APIS[path]
 
 
 def _finite(x: float | None) -> float | None:
@@ -210,16 +210,16 @@ def _choice(d: Decision, controller: Mapping[str, Any] | None) -> dict[str, Any]
 
 def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
     """Why a request with this body and these headers, sent to ``path``, would go where it goes now."""
-    endpoint = endpoint_for(path)
+    api = api_for(path)
     task_header = next((v for k, v in headers.items() if k.lower() == TASK_HEADER), None)
     live = rt.live
-    d = decide(live, rt.routing, endpoint, body, task_header, rt.rng, count=False, weigh_all=True)
+    d = decide(live, rt.routing, api, body, task_header, rt.rng, count=False, weigh_all=True)
     d.check_model()
     klass = d.klass
     controller = rt.routing.snapshot().get(d.traffic_class) if klass is not None else None
     model = body.get("model")
     return {
-        "request": {"path": path, "endpoint": endpoint, "model": model if isinstance(model, str) else None},
+        "request": {"path": path, "endpoint": api, "model": model if isinstance(model, str) else None},
         "features": _features(d),
         "task_type": None if d.features is None else d.features.task_type,
         "task_source": None if d.features is None else d.features.task_source,
@@ -235,7 +235,7 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
         "live": _live(rt, live, candidate_pools(klass, d.plan, live), klass),
         "plan": {
             # a follow-up goes only where its conversation is (see "stateful"), under the proxy's reason for it
-            "reason": STICKY if _follow_up(endpoint, body) else d.plan.reason,
+            "reason": STICKY if _follow_up(api, body) else d.plan.reason,
             "empty": d.plan.empty,  # the proxy would answer 503 no_capacity
             "steps": plan_steps(d.plan, live, klass, d.max_attempts),
             "skipped": [{"pool": p, "reason": why} for p, why in d.plan.skipped],
@@ -243,10 +243,10 @@ def explain(rt: Runtime, path: str, body: Mapping[str, Any], headers: Mapping[st
             "shed": bool(d.plan.pools)
             and not any(rt.attempts.admits(live.pools[p]) for p in d.plan.pools if p in live.pools),
         },
-        "prefix_affinity": None if endpoint is None else _affinity(live, d.plan, prompt_chunks(endpoint, body)),
+        "prefix_affinity": None if api is None else _affinity(live, d.plan, prompt_chunks(api, body)),
         "warm_home": _warm_home(d),
         "config": {"source": live.source, "digest": live.digest},
-        "stateful": _stateful(endpoint, body),
+        "stateful": _stateful(api, body),
         "tenant": _tenant(rt, headers, d.plan.pools),
     }
 
@@ -328,13 +328,13 @@ def _warm_home(d: Decision) -> dict[str, Any] | None:
     return {**out, "drawn_pool": w.drawn_pool, "pool": w.pool, "verdict": w.verdict, "note": note}
 
 
-def _follow_up(endpoint: ApiKind | None, body: Mapping[str, Any]) -> bool:
-    return endpoint == "responses" and isinstance(body.get("previous_response_id"), str)
+def _follow_up(api: ApiKind | None, body: Mapping[str, Any]) -> bool:
+    return api == "responses" and isinstance(body.get("previous_response_id"), str)
 
 
-def _stateful(endpoint: ApiKind | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
+def _stateful(api: ApiKind | None, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """A Responses API request's state on the pools: where its answer is recorded, and a follow-up's pin."""
-    if endpoint != "responses":
+    if api != "responses":
         return None
     previous = body.get("previous_response_id")
     return {

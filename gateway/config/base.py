@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 PoolKind = Literal["speculative", "standard"]
+# Which OpenAI API a request came through (its body shape): the values of a class's ``endpoint`` condition.
+ApiKind = Literal["chat", "completions", "responses"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]  # a pool, class or endpoint id
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Iterator
+from typing import get_args
 
+from gateway.config.base import ApiKind
 from gateway.config.schema import RoutingRules
 
 Loc = tuple[str | int, ...]
@@ -19,7 +21,7 @@ Loc = tuple[str | int, ...]
 BUILTIN_TASK_TYPES = frozenset(
     {"chat", "code", "summarization", "extraction", "rag", "math", "creative", "structured", "tool_use"}
 )
-ENDPOINTS = frozenset({"chat", "completions", "responses"})
+ENDPOINTS: frozenset[str] = frozenset(get_args(ApiKind))
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag", "regex", "grammar"})
 _MAX_LISTED = 12
 

@@ -147,7 +147,7 @@ def pick(
     if brackets > rt.settings.max_json_depth:
         check_json_depth(raw, rt.settings.max_json_depth)
     live = rt.live
-    d = decide(live, rt.routing, route.endpoint, body, headers.get(TASK_HEADER), rt.rng)
+    d = decide(live, rt.routing, route.api, body, headers.get(TASK_HEADER), rt.rng)
     extra: list[tuple[str, str]] = []
     task_type = None
     if d.features is not None:

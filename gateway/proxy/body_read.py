@@ -39,7 +39,7 @@ async def read_json(
     raw: bytes,
     settings: Settings,
     pool: ParsePool | None,
-    endpoint: ApiKind | None,
+    api: ApiKind | None,
     *,
     scan_chars: int,
     fingerprint: tuple[str, str] | None,
@@ -62,8 +62,8 @@ async def read_json(
         check_json_depth(raw, settings.max_json_depth)
         await _let_others_run()
         return body, None
-    prompt = endpoint is not None and _affinity_wanted(pools)
-    req = ViewRequest(endpoint, settings.max_json_depth, settings.max_json_containers, scan_chars, fingerprint, prompt)
+    prompt = api is not None and _affinity_wanted(pools)
+    req = ViewRequest(api, settings.max_json_depth, settings.max_json_containers, scan_chars, fingerprint, prompt)
     got = await pool.run(summarize, raw, req)
     if isinstance(got, Refusal):
         raise got.error()

@@ -49,7 +49,7 @@ _READ_INSIDE = frozenset({"type", "format", "effort", "include_usage", "continuo
 class ViewRequest:
     """What ``summarize`` needs besides the bytes: the route's request shape and the limits in force."""
 
-    endpoint: ApiKind | None
+    api: ApiKind | None
     max_depth: int
     max_containers: int
     scan_chars: int  # the task rules' window (``Classifier.scan_chars``)
@@ -131,14 +131,14 @@ def summarize(raw: bytes, req: ViewRequest) -> BodyView | Refusal:
         return Refusal.of(exc)
     texts: Texts | Refusal | None = None
     prompt = ""
-    if req.endpoint is not None:
+    if req.api is not None:
         try:
-            t = request_texts(req.endpoint, body)
+            t = request_texts(req.api, body)
             texts = Texts(window(t.system, req.scan_chars), window(t.last_user, req.scan_chars), t.chars)
         except GatewayError as exc:
             texts = Refusal.of(exc)
         if req.prompt and not isinstance(texts, Refusal):
-            prompt = render_prompt(req.endpoint, body)[: CHUNK_CHARS * MAX_PROMPT_CHUNKS]
+            prompt = render_prompt(req.api, body)[: CHUNK_CHARS * MAX_PROMPT_CHUNKS]
     head: dict[str, Any] = {}
     bulk: dict[str, bytes] = {}
     for key, value in body.items():

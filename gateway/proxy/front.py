@@ -95,7 +95,7 @@ class ProxyRoute:
     POSTs, the YAML's embeddings pool answers), and the route's own part of the front half."""
 
     path: str
-    endpoint: ApiKind | None
+    api: ApiKind | None
     prepare: Prepare
 
 

@@ -66,7 +66,7 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
         raw,
         rt.settings,
         rt.parse_pool,
-        route.endpoint,
+        route.api,
         scan_chars=live.classifier.scan_chars,
         fingerprint=("POST", path) if idempotency_key is not None else None,
         pools=live.pools,
@@ -78,7 +78,7 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
     d = decide(
         live,
         rt.routing,
-        route.endpoint,
+        route.api,
         body,
         hdr.get(TASK_HEADER),
         rt.rng,
@@ -92,7 +92,7 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
         extra += [("x-specgate-class", d.traffic_class), ("x-specgate-task-type", d.features.task_type)]
     d.check_model()
     sticky = _UNPINNED
-    if route.endpoint == "responses":  # a follow-up goes to the endpoint holding its conversation, and only there
+    if route.api == "responses":  # a follow-up goes to the endpoint holding its conversation, and only there
         sticky = await for_create(
             rt.store,
             live.pools,
@@ -142,10 +142,8 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
         pass
     elif d.prompt is not None:  # hashed by the decision (a controlled class: warm homes)
         prompt = d.prompt
-    elif route.endpoint is not None and _affinity_on(live.pools, plan.pools):
-        prompt = (
-            rt.prompt_hashes.of_request(route.endpoint, body) if view is None else rt.prompt_hashes.of_text(view.prompt)
-        )
+    elif route.api is not None and _affinity_on(live.pools, plan.pools):
+        prompt = rt.prompt_hashes.of_request(route.api, body) if view is None else rt.prompt_hashes.of_text(view.prompt)
     return ProxyJob(
         path=path,
         body=raw,
@@ -158,7 +156,7 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
         parsed=body if stream or view is not None else None,
         serialize=None if view is None else view.serialize,
         idempotency=req.claim,
-        dialect=ResponsesDialect() if route.endpoint == "responses" else CHAT,
+        dialect=ResponsesDialect() if route.api == "responses" else CHAT,
         pinned=sticky.pinned,
         on_answer=sticky.on_answer,
         forwarded_for=forwarded_for(_client_addr(req.scope), req.client_headers, rt.trusted_proxies),

@@ -15,13 +15,14 @@ from typing import Any, Literal
 
 import re2
 
+# A request's API (chat, completions, responses): ``api`` in the code; the YAML's condition and ``RequestFeatures``
+# call it ``endpoint`` (OpenAI's word for its paths), which is not a pool's endpoint (``config.pool.Endpoint``).
+from gateway.config.base import ApiKind as ApiKind  # re-exported
 from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
 from gateway.errors import InvalidParameter
 from gateway.routing.responses_features import format_type, responses_inputs, responses_texts
 from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
 
-# Which OpenAI API a request came through (its body shape); not a pool's endpoint (``config.pool.Endpoint``).
-ApiKind = Literal["chat", "completions", "responses"]
 TaskSource = Literal["header", "rule", "default"]
 TASK_HEADER = "x-task-type"
 _TASK_HEADER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -149,11 +150,11 @@ def _n_of(body: Mapping[str, Any]) -> int:
     raise InvalidParameter("'n' must be an integer", param="n")
 
 
-def request_texts(endpoint: ApiKind, body: Mapping[str, Any]) -> Texts:
+def request_texts(api: ApiKind, body: Mapping[str, Any]) -> Texts:
     """The texts of a request's prompt. Raises ``InvalidParameter`` when the prompt's fields have the wrong shape."""
-    if endpoint == "chat":
+    if api == "chat":
         return _chat_texts(body)
-    if endpoint == "completions":
+    if api == "completions":
         return _completion_texts(body)
     return Texts(*responses_texts(body))
 
@@ -281,7 +282,7 @@ class Classifier:
 
     def features(
         self,
-        endpoint: ApiKind,
+        api: ApiKind,
         body: Mapping[str, Any],
         task_header: str | None = None,
         texts: Callable[[], Texts] | None = None,
@@ -300,7 +301,7 @@ class Classifier:
         if not isinstance(stream_raw, bool):
             raise InvalidParameter("'stream' must be a boolean", param="stream")
         read: Texts
-        if endpoint == "responses":
+        if api == "responses":
             given = texts() if texts is not None else None
             r = responses_inputs(body, None if given is None else (given.system, given.last_user, given.chars))
             max_tokens, n, tools, response_format, reasoning, read = (
@@ -322,7 +323,7 @@ class Classifier:
             tools = isinstance(tools_raw, list) and len(tools_raw) > 0
             response_format = format_type(body.get("response_format"), "response_format")
             reasoning = _reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
-            read = texts() if texts is not None else request_texts(endpoint, body)
+            read = texts() if texts is not None else request_texts(api, body)
 
         task_source: TaskSource
         if task_header and _TASK_HEADER_RE.fullmatch(task_header):
@@ -335,7 +336,7 @@ class Classifier:
                 task, task_source = self._default_task, "default"
 
         return RequestFeatures(
-            endpoint=endpoint,
+            endpoint=api,
             model=model,
             temperature=temperature,
             top_p=top_p,
@@ -362,10 +363,10 @@ class Classifier:
 
     def classify(
         self,
-        endpoint: ApiKind,
+        api: ApiKind,
         body: Mapping[str, Any],
         task_header: str | None = None,
         texts: Callable[[], Texts] | None = None,
     ) -> Classification:
-        f = self.features(endpoint, body, task_header, texts)
+        f = self.features(api, body, task_header, texts)
         return Classification(f, self.traffic_class(f))

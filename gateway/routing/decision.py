@@ -74,7 +74,7 @@ def not_found(model: object, served: Collection[str]) -> str:
 def decide(
     live: RoutingInputs,
     routing: RoutingState,
-    endpoint: ApiKind | None,
+    api: ApiKind | None,
     body: Mapping[str, Any],
     task_header: str | None,
     rng: random.Random,
@@ -85,7 +85,7 @@ def decide(
     weigh_all: bool = False,
     hashes: PromptHashes | None = None,
 ) -> Decision:
-    """The decision for one parsed request body. ``endpoint`` None: embeddings (one pool, named by the YAML).
+    """The decision for one parsed request body. ``api`` None: embeddings (one pool, named by the YAML).
     ``count``: the request counts toward its class controller's samples (explain passes False). A model no pool
     serves gives an empty plan with ``unknown_model`` set: ``check_model`` raises the 404. ``texts``: the prompt's
     texts when read elsewhere (a large body, whose ``body`` here holds stand-ins for its bulk); ``prompt``: its
@@ -93,7 +93,7 @@ def decide(
     prompt hashed here reuses (``gateway.routing.prompt_hashes``; None: hashed whole). ``weigh_all``: the pools'
     warmth is weighed (and the warm home's verdict kept in the plan) for a request that cannot go to a warm home too
     (explain shows it); else only for one that continues a conversation."""
-    if endpoint is None:
+    if api is None:
         model = body.get("model")
         pool_name = live.rules.embeddings_pool
         if pool_name is None:
@@ -102,7 +102,7 @@ def decide(
             raise ModelNotFound(not_found(model, live.pools[pool_name].models), param="model")
         plan = Plan((pool_name,), "embeddings") if live.pools[pool_name].routable() else Plan((), "embeddings")
         return Decision("embeddings", plan, stream=False, max_attempts=1)
-    c = live.classifier.classify(endpoint, body, task_header, texts)
+    c = live.classifier.classify(api, body, task_header, texts)
     f = c.features
     if f.model not in live.model_set:
         empty = Plan((), "model not served")
@@ -110,7 +110,7 @@ def decide(
             c.traffic_class.name, empty, f.stream, 1, f, c.traffic_class, unknown_model=f.model, served=live.model_set
         )
     choice = routing.choose(c.traffic_class.name, rng, count=count, temperature=f.temperature)
-    prompt, warmth, eligible = _warmth(live, endpoint, body, choice, prompt, weigh_all, hashes)
+    prompt, warmth, eligible = _warmth(live, api, body, choice, prompt, weigh_all, hashes)
     plan = plan_route(
         c.traffic_class.route,
         f.model,
@@ -142,7 +142,7 @@ def decide(
 
 def _warmth(
     live: RoutingInputs,
-    endpoint: ApiKind,
+    api: ApiKind,
     body: Mapping[str, Any],
     choice: RouteChoice | None,
     hashed: tuple[int, ...] | None = None,
@@ -162,10 +162,10 @@ def _warmth(
     if hashed is not None:
         prompt = hashed
     else:
-        prompt = prompt_chunks(endpoint, body) if hashes is None else hashes.of_request(endpoint, body)
+        prompt = prompt_chunks(api, body) if hashes is None else hashes.of_request(api, body)
     if not prompt:
         return prompt, None, False
-    eligible = continues(endpoint, body)
+    eligible = continues(api, body)
     if not (eligible or weigh_all) or not any(p.indexed() for p in pools):
         return prompt, None, False
     return prompt, {p.name: p.warm_tokens(prompt) for p in pools}, eligible

@@ -63,9 +63,9 @@ class PromptHashes:
         """Bytes of the kept texts (``sys.getsizeof``)."""
         return self._bytes
 
-    def of_request(self, endpoint: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
-        """``prompt_chunks(endpoint, body)``: the chained chunk hashes of the request's rendered prompt."""
-        parts = render_parts(endpoint, body)
+    def of_request(self, api: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
+        """``prompt_chunks(api, body)``: the chained chunk hashes of the request's rendered prompt."""
+        parts = render_parts(api, body)
         return self._hashes("".join(parts), parts)
 
     def of_text(self, text: str) -> tuple[int, ...]:

@@ -91,12 +91,12 @@ def _responses(body: Mapping[str, Any], out: list[str]) -> None:
         out.append(_SEP + (kind if isinstance(kind, str) else "") + _ROLE + text)
 
 
-def render_parts(endpoint: ApiKind, body: Mapping[str, Any]) -> list[str]:
+def render_parts(api: ApiKind, body: Mapping[str, Any]) -> list[str]:
     """The request's prompt as the parts ``render_prompt`` joins (none when it has none the index can use): the
     end of each part is where an earlier, shorter prompt of the same conversation may end."""
     model = body.get("model")
     out: list[str] = [model if isinstance(model, str) else ""]
-    if endpoint == "completions":
+    if api == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -107,29 +107,29 @@ def render_parts(endpoint: ApiKind, body: Mapping[str, Any]) -> list[str]:
     tools = body.get("tools")
     if tools:
         out.append(_SEP + "tools" + _ROLE + _dumps(tools))
-    if endpoint == "chat":
+    if api == "chat":
         _chat(body, out)
     else:
         _responses(body, out)
     return out
 
 
-def render_prompt(endpoint: ApiKind, body: Mapping[str, Any]) -> str:
+def render_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
     """The request's prompt as one text ('' when it has none the index can use)."""
-    return "".join(render_parts(endpoint, body))
+    return "".join(render_parts(api, body))
 
 
-def continues(endpoint: ApiKind, body: Mapping[str, Any]) -> bool:
+def continues(api: ApiKind, body: Mapping[str, Any]) -> bool:
     """The request continues a conversation: its prompt carries an earlier turn's answer (a chat ``assistant`` or
     ``tool`` message; a Responses API input item that is not a user, system or developer message, or a
     ``previous_response_id``). A completions prompt cannot tell: False. Only such a request may go to its warm home
     (``gateway.routing.warm_home``): a new conversation goes by its class."""
-    if endpoint == "chat":
+    if api == "chat":
         messages = body.get("messages")
         return isinstance(messages, list) and any(
             isinstance(m, dict) and m.get("role") in ("assistant", "tool", "function") for m in messages
         )
-    if endpoint == "responses":
+    if api == "responses":
         if isinstance(body.get("previous_response_id"), str):
             return True
         raw = body.get("input")
@@ -140,6 +140,6 @@ def continues(endpoint: ApiKind, body: Mapping[str, Any]) -> bool:
     return False
 
 
-def prompt_chunks(endpoint: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
+def prompt_chunks(api: ApiKind, body: Mapping[str, Any]) -> tuple[int, ...]:
     """The chained chunk hashes of the request's rendered prompt (empty: nothing to match)."""
-    return chain_hashes(render_prompt(endpoint, body))
+    return chain_hashes(render_prompt(api, body))
