@@ -115,6 +115,7 @@ class Result:
     route_class: str = ""
     good: bool = False
     endpoint: str = ""  # the gateway's x-specgate-endpoint (empty: another front, or no answer)
+    route: str = ""  # the gateway's x-specgate-route: why the plan put that pool first (empty: another front)
 
     @property
     def ok(self) -> bool:
@@ -155,6 +156,7 @@ async def send_one(
             res.status = r.status
             res.pool = r.headers.get("x-specgate-pool", "")
             res.route_class = r.headers.get("x-specgate-class", "")
+            res.route = r.headers.get("x-specgate-route", "")
             if r.status != 200:
                 res.error = (await r.text())[:200]
             elif planned.stream:
