@@ -3,7 +3,8 @@
 - ``metrics``: the ``specgate_*`` Prometheus metrics (own registry), those of the fleet itself (health, scraped
   state, prefix affinity) declared in ``metrics_fleet``; ``metrics_workers``: their merge across ``--workers``;
   ``latency_window``: recent latencies for the latency guard's quantiles; ``exemplars``: which latency observations
-  carry a trace exemplar (one per bucket per second).
+  carry a trace exemplar (one per bucket per second); ``fast_child``: the label children the request path updates,
+  without the library's checks on every call.
 - ``tenant_metrics``: the per-tenant metrics (a tenants file only).
 - ``logs``: one JSON line per request and per event.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
