@@ -52,9 +52,9 @@ def test_counters_and_gauges_count_as_their_own_methods_do() -> None:
 
 def test_a_parent_without_its_label_values_is_refused_when_wrapped() -> None:
     r = CollectorRegistry()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="missing label values"):
         Counting(Counter("c", "c", ["p"], registry=r))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="missing label values"):
         Observing(Histogram("h", "h", ["p"], registry=r))
 
 
