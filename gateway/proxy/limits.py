@@ -133,7 +133,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ---- connections ----------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        # a response's head and body leave in one write (gateway.proxy.coalesce)
+        # a response's head leaves with its body's first bytes, in one write (gateway.proxy.coalesce)
         super().connection_made(cast(asyncio.Transport, CoalescingTransport(transport, self.loop)))
         port = self.server[1] if self.server is not None and self.server[1] is not None else 0
         held = self.gate.enter(port, self.client[0] if self.client is not None else None)
