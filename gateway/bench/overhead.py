@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from gateway.bench.overhead_epp import EPP_TARGETS, render_epp, start_epp_targets
-from gateway.bench.turns import in_turns
+from gateway.bench.turns import cpu_s, in_turns
 from gateway.sim.launch import free_port, wait_for_port
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
@@ -66,7 +66,8 @@ class OverheadRow:
     mode: str
     connections: int
     results: dict[str, WrkResult]
-    # With --tracing: each gateway process's CPU seconds per request (Linux /proc), over the interleaved rounds
+    # Each proxy process's CPU microseconds per request (Linux /proc); with --tracing, specgate's and the traced
+    # targets' over the interleaved rounds
     cpu_us: dict[str, float] = field(default_factory=dict)
     # With --tracing: each traced target's req/s ratio to specgate, the median of the interleaved rounds' ratios
     ratios: dict[str, float] = field(default_factory=dict)
@@ -285,8 +286,10 @@ def bench_overhead(
         }
         with contextlib.ExitStack() as stack:
             stack.enter_context(_process([py, "-m", "gateway.bench.static_upstream", "--port", str(up_port)], up_port))
+            procs = {}  # each target's process, for its CPU per request (the plain rows measure it too)
             for name, cmd in commands.items():
-                stack.enter_context(_process([*cmd, "--port", str(ports[name]), "--upstream", up_url], ports[name]))
+                cmd = [*cmd, "--port", str(ports[name]), "--upstream", up_url]
+                procs[name] = stack.enter_context(_process(cmd, ports[name])).pid
             gw_cmd = [
                 py,
                 "-m",
@@ -302,6 +305,7 @@ def bench_overhead(
                 str(ports["specgate"]),
             ]  # fmt: skip (no admin listener: 8081 may be taken)
             pids = {"specgate": stack.enter_context(_process(gw_cmd, ports["specgate"])).pid}
+            procs.update(pids)
             if tracing:
                 sink = free_port()
                 stack.enter_context(_process([py, "-m", "gateway.bench.otlp_sink", "--port", str(sink)], sink))
@@ -316,18 +320,22 @@ def bench_overhead(
             for mode in ("json", "stream"):
                 for c in connections:
                     results: dict[str, WrkResult] = {}
+                    plain: dict[str, float] = {}  # CPU us per request of each process measured here
                     base = TARGETS if not tracing else TARGETS[:-1]  # with tracing, specgate runs in turns below
                     for target in (*base, *EPP_TARGETS) if with_epp and mode == "json" else base:
                         url = urls[target] + "/v1/chat/completions"
                         run_tool(tool, url, scripts[mode], c, 1)  # warm connection pools and caches
-                        results[target] = run_tool(tool, url, scripts[mode], c, duration_s)
+                        before = cpu_s(procs[target]) if target in procs else None
+                        results[target] = w = run_tool(tool, url, scripts[mode], c, duration_s)
+                        if before is not None and (after := cpu_s(procs[target])) is not None and w.rps > 0:
+                            plain[target] = (after - before) / (w.rps * duration_s) * 1e6
                     cpu: dict[str, float] = {}
                     ratios: dict[str, float] = {}
                     if tracing:  # specgate with and without tracing: in turns, and their CPU per request
                         group = {t: urls[t] + "/v1/chat/completions" for t in ("specgate", *TRACED)}
                         more, cpu, ratios = _interleaved(tool, group, scripts[mode], c, duration_s, pids)
                         results.update(more)
-                    rows.append(OverheadRow(mode, c, results, cpu, ratios))
+                    rows.append(OverheadRow(mode, c, results, {**plain, **cpu}, ratios))
             ttft50: dict[str, float] = {}
             ttft99: dict[str, float] = {}
             short: dict[str, float] = {}
@@ -358,7 +366,7 @@ def epp_skipped() -> str | None:
 def render(rows: list[OverheadRow], streams: StreamCost | None = None, epp_note: str | None = None) -> str:
     head = (
         f"{'mode':<7}{'conns':>6} {'target':<16}{'req/s':>9}{'vs direct':>10}{'vs minimal':>11}"
-        f"{'p50':>10}{'p99':>10}{'added p50':>11}{'added p99':>11}{'errors':>8}"
+        f"{'p50':>10}{'p99':>10}{'added p50':>11}{'added p99':>11}{'errors':>8}{'CPU/req':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -373,6 +381,7 @@ def render(rows: list[OverheadRow], streams: StreamCost | None = None, epp_note:
             lines.append(
                 f"{r.mode:<7}{r.connections:>6} {target:<16}{w.rps:>9.0f}{vs_direct:>10}{vs_min:>11}"
                 f"{w.p50_s * 1000:>8.2f}ms{w.p99_s * 1000:>8.2f}ms{added50:>11}{added99:>11}{w.errors:>8}"
+                + (f"{r.cpu_us[target]:>7.0f}us" if target in r.cpu_us else "")
             )
         lines.append("")
     if streams is not None:

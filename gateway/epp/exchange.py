@@ -121,7 +121,7 @@ class Exchange:
     def _hold(self, pool: PoolState, ep: EndpointState) -> None:
         self._release()
         ep.in_flight += 1
-        self.rt.metrics.pool_in_flight(pool.name).inc()
+        self.rt.metrics.pool_in_flight(pool.name).inc(1)
         self.holding = (pool, ep)
 
     def _release(self) -> None:

@@ -64,8 +64,11 @@ class UpstreamResponse:
         return ctype.startswith("text/event-stream")
 
     async def read(self) -> bytes:
-        with _body_errors("upstream total timeout while reading the body", "upstream broke while sending the body"):
+        try:  # a failure mapped by ``_body_errors`` (no context manager entered for a body that arrives whole)
             return await self.raw.read()
+        except (ResponseTooLarge, TimeoutError, OSError):
+            with _body_errors("upstream total timeout while reading the body", "upstream broke while sending the body"):
+                raise
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive. Raises UpstreamError when the connection breaks."""

@@ -7,6 +7,7 @@
 - ``metrics_routes``: the class controllers' (route-state transitions, state, share and probe gauges).
 - ``tenant_metrics``: the per-tenant metrics (a tenants file only).
 - ``logs``: one JSON line per request and per event.
+- ``fast_child``: the metrics' label children the request path updates, without the library's checks on every call.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
 - ``tracing``: OpenTelemetry traces of the proxied requests (``--tracing``): what each request records
   (``tracing``), its spans written as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exported by

@@ -18,6 +18,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.observability.acceptance import ACCEPTANCE_BUCKETS, AcceptanceWindow, SpecSample
 from gateway.observability.exemplars import ExemplarGate
+from gateway.observability.fast_child import Counting, Observing
 from gateway.observability.latency_window import LatencyWindow
 from gateway.observability.metrics_fleet import FleetMetrics
 from gateway.observability.metrics_workers import forget_dead_processes, forget_process
@@ -168,11 +169,12 @@ class GatewayMetrics(FleetMetrics):
         )
 
         # Label children looked up once per label set: .labels() takes a lock and builds a tuple each call.
-        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        # Wrapped (``fast_child``): updated without the library's checks on every call.
+        self._children: dict[tuple[str, str, str], tuple[Counting, Observing, Observing, Observing]] = {}
         self._exemplar_gate = ExemplarGate(LATENCY_BUCKETS)
-        self._in_flight: dict[str, Any] = {}
-        self._attempts: dict[tuple[str, str], Any] = {}
-        self._routes: dict[tuple[str, str], Any] = {}
+        self._in_flight: dict[str, Counting] = {}
+        self._attempts: dict[tuple[str, str], Counting] = {}
+        self._routes: dict[tuple[str, str], Counting] = {}
         self._acceptance: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._acceptance_bands: dict[tuple[str, str], Any] = {}
         # Set by the multi-worker app factory (``share_across_workers``): the directory to merge for /metrics.
@@ -253,11 +255,12 @@ class GatewayMetrics(FleetMetrics):
         if self.shared_dir is not None:
             forget_process(os.getpid(), self.shared_dir)
 
-    def pool_in_flight(self, pool: str) -> Any:
-        """The ``in_flight`` child of ``pool``, looked up once (the attempt loop moves it twice per request)."""
+    def pool_in_flight(self, pool: str) -> Counting:
+        """The ``in_flight`` child of ``pool``, looked up once (the attempt loop moves it twice per request):
+        ``inc(1)``, ``dec()``."""
         child = self._in_flight.get(pool)
         if child is None:
-            child = self._in_flight[pool] = self.in_flight.labels(pool)
+            child = self._in_flight[pool] = Counting(self.in_flight.labels(pool))
         return child
 
     def limit_refused(self, limit: str) -> None:
@@ -269,16 +272,16 @@ class GatewayMetrics(FleetMetrics):
         key = (pool, result)
         child = self._attempts.get(key)
         if child is None:
-            child = self._attempts[key] = self.upstream_attempts.labels(pool, result)
-        child.inc()
+            child = self._attempts[key] = Counting(self.upstream_attempts.labels(pool, result))
+        child.inc(1)
 
     def route_decided(self, cls: str, route: str) -> None:
         """Count one request's route reason (``route_decisions``), its child looked up once per label set."""
         key = (cls, route)
         child = self._routes.get(key)
         if child is None:
-            child = self._routes[key] = self.route_decisions.labels(cls, route)
-        child.inc()
+            child = self._routes[key] = Counting(self.route_decisions.labels(cls, route))
+        child.inc(1)
 
     def observe_request(
         self,
@@ -296,14 +299,14 @@ class GatewayMetrics(FleetMetrics):
         children = self._children.get(key)
         if children is None:
             children = (
-                self.requests.labels(cls, pool, outcome),
-                self.e2e.labels(cls, pool),
-                self.ttft.labels(cls, pool),
-                self.overhead.labels(cls),
+                Counting(self.requests.labels(cls, pool, outcome)),
+                Observing(self.e2e.labels(cls, pool)),
+                Observing(self.ttft.labels(cls, pool)),
+                Observing(self.overhead.labels(cls)),
             )
             self._children[key] = children
         count, e2e, ttft, overhead = children
-        count.inc()
+        count.inc(1)
         now = time.monotonic()
         if trace_id is None or self.shared_dir is not None:
             e2e.observe(e2e_s)
@@ -311,9 +314,9 @@ class GatewayMetrics(FleetMetrics):
                 ttft.observe(ttft_s)
         else:  # at most one exemplar per bucket per second (``exemplars``)
             gate, exemplar = self._exemplar_gate, {"trace_id": trace_id}
-            e2e.observe(e2e_s, exemplar if gate.due((e2e, 0), e2e_s, now) else None)
+            e2e.child.observe(e2e_s, exemplar if gate.due((e2e.child, 0), e2e_s, now) else None)
             if ttft_s is not None:
-                ttft.observe(ttft_s, exemplar if gate.due((ttft, 1), ttft_s, now) else None)
+                ttft.child.observe(ttft_s, exemplar if gate.due((ttft.child, 1), ttft_s, now) else None)
         if outcome == "ok":
             window = self.latency_windows.get((cls, pool))
             if window is None:

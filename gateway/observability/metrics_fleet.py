@@ -4,9 +4,9 @@ what the servers measured). Labels are pool and endpoint names from the routing 
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gateway.observability.fast_child import Counting
 
 
 class FleetMetrics:
@@ -88,7 +88,7 @@ class FleetMetrics:
             registry=registry,
             multiprocess_mode="livemax",
         )
-        self._prefix: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._prefix: dict[tuple[str, str], tuple[Counting, Counting]] = {}
         self.scrapes = Counter(
             "specgate_scrapes_total",
             "Scrapes of the endpoints' /metrics by result (ok, timeout, error, bad_status, malformed).",
@@ -103,8 +103,8 @@ class FleetMetrics:
         children = self._prefix.get(key)
         if children is None:
             children = self._prefix[key] = (
-                self.prefix_prompt_tokens.labels(pool, endpoint),
-                self.prefix_predicted_hit_tokens.labels(pool, endpoint),
+                Counting(self.prefix_prompt_tokens.labels(pool, endpoint)),
+                Counting(self.prefix_predicted_hit_tokens.labels(pool, endpoint)),
             )
         children[0].inc(chunks * 16)
         if warm_chunks:

@@ -19,6 +19,7 @@
 - ``responses``: the Responses API's stickiness (response id → the endpoint holding it, in the store).
 - ``limits``: the uvicorn protocol that bounds a client's connection before the app sees a request (head size and
   header count, head / body deadlines, keep-alive), counting connections in a ``connections.ConnectionGate``
-  (caps in total and per client address); ``json_depth``: a body's nesting, read from its text.
+  (caps in total and per client address), its transport writing a response's head with what follows (``coalesce``);
+  ``json_depth``: a body's nesting, read from its text.
 - ``stream_tap``: reads per-request acceptance from speculative pools' responses; ``record``: the per-request record.
 """

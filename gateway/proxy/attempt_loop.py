@@ -116,7 +116,7 @@ async def open_upstream(
             if rec.upstream_start is None:
                 rec.upstream_start = started
             ep.in_flight += 1
-            metrics.pool_in_flight(pool.name).inc()
+            metrics.pool_in_flight(pool.name).inc(1)
             if job.ticket is not None:
                 job.ticket.enter(pool.name)
             if job.prompt and pool.affinity.enabled:  # the endpoint's prefix cache will hold this prompt

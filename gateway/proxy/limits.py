@@ -34,13 +34,14 @@ import asyncio
 import functools
 import logging
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config.settings import Settings
+from gateway.proxy.coalesce import CoalescingTransport
 from gateway.proxy.connections import ConnectionGate, Held
 from gateway.proxy.wire import envelope
 
@@ -132,7 +133,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ---- connections ----------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # a response's head leaves with its body's first bytes, in one write (gateway.proxy.coalesce)
+        super().connection_made(cast(asyncio.Transport, CoalescingTransport(transport, self.loop)))
         port = self.server[1] if self.server is not None and self.server[1] is not None else 0
         held = self.gate.enter(port, self.client[0] if self.client is not None else None)
         if isinstance(held, str):

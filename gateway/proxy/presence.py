@@ -76,7 +76,8 @@ class ClientPresence:
         self._detached = False  # a keyed request running on without its client, counted in job.detached
         self._watcher: asyncio.Task[None] | None = None
         self.stall = StallWatch(send, send_timeout, self._stalled)
-        self._start = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch, receive)
+        # the task's loop (asking for the running loop costs a getpid system call)
+        self._start = task.get_loop().call_later(WATCH_AFTER_S, self._start_watch, receive)
 
     @property
     def send(self) -> Send:

@@ -168,8 +168,12 @@ def window(text: str, limit: int) -> str:
     return text[:half] + "\n" + text[-half:]
 
 
+SYSTEM_HITS_KEPT = 256  # system prompts whose task-rule hits are kept (the few an application sends, again and again)
+
+
 class _TaskMatcher:
-    """All task rules' patterns in two RE2 sets (system prompt, last user message): one linear pass per text."""
+    """All task rules' patterns in two RE2 sets (system prompt, last user message): one linear pass per text, and
+    none for a system prompt seen recently (its hits are kept)."""
 
     def __init__(self, rules: Sequence[TaskRule], scan_chars: int) -> None:
         self._scan_chars = scan_chars
@@ -178,6 +182,8 @@ class _TaskMatcher:
             for r in rules
         )
         self._sets: list[tuple[Any, list[int], str]] = []
+        # system text -> the rules its patterns hit (at most SYSTEM_HITS_KEPT texts, then forgotten all at once)
+        self._system_hits: dict[str, frozenset[int]] = {}
         for scope in ("system", "last_user"):
             owners: list[int] = []
             rset = re2.Set.SearchSet(re2_options())
@@ -193,12 +199,24 @@ class _TaskMatcher:
     def _scan(self, texts: Texts) -> set[int]:
         hits: set[int] = set()
         for rset, owners, scope in self._sets:
-            text = texts.system if scope == "system" else texts.last_user
-            if text:
-                # Encoded here: "replace" keeps a lone surrogate (possible in JSON) from raising.
-                data = window(text, self._scan_chars).encode("utf-8", "replace")
-                hits.update(owners[k] for k in rset.Match(data) or ())
+            if scope == "system":  # most requests repeat a system prompt of a few: its rules' hits are kept
+                text = window(texts.system, self._scan_chars)  # kept as scanned: at most scan_chars characters
+                if text:
+                    got = self._system_hits.get(text)
+                    if got is None:
+                        got = frozenset(self._match(rset, owners, text))
+                        if len(self._system_hits) >= SYSTEM_HITS_KEPT:
+                            self._system_hits.clear()
+                        self._system_hits[text] = got
+                    hits.update(got)
+            elif texts.last_user:
+                hits.update(self._match(rset, owners, texts.last_user))
         return hits
+
+    def _match(self, rset: Any, owners: list[int], text: str) -> list[int]:
+        # Encoded here: "replace" keeps a lone surrogate (possible in JSON) from raising.
+        data = window(text, self._scan_chars).encode("utf-8", "replace")
+        return [owners[k] for k in rset.Match(data) or ()]
 
     def match(self, response_format: str, tools: bool, texts: Texts) -> str | None:
         hits: set[int] | None = None
@@ -263,7 +281,8 @@ def compile_conditions(c: Conditions) -> tuple[Predicate, ...]:
 
 
 class Classifier:
-    """Compiled from one ``RoutingRules``; immutable; safe to share between requests."""
+    """Compiled from one ``RoutingRules``; safe to share between requests (what it keeps, the task rules' hits of
+    recent system prompts, changes no answer)."""
 
     def __init__(self, rules: RoutingRules) -> None:
         d = rules.defaults

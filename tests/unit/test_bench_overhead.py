@@ -99,3 +99,15 @@ def test_the_epp_section_says_why_it_is_missing() -> None:
     assert "2.00ms" in text
     assert "EPP added p50, 1 connection: 1.50 ms (target <= 2.0 ms): met" in text
     assert "EPP req/s through Envoy, 32 connections: 1600 (target >= 1500): met" in text
+
+
+def test_the_table_shows_each_process_cpu_per_request_where_measured() -> None:
+    from gateway.bench.overhead import OverheadRow, WrkResult, render
+
+    r = {t: WrkResult(1000.0, 0.001, 0.002, 0) for t in ("direct", "minimal-httpx", "minimal-aiohttp", "specgate")}
+    lines = render([OverheadRow("json", 32, r, {"minimal-aiohttp": 210.4, "specgate": 251.6})]).splitlines()
+    assert lines[0].endswith("CPU/req")
+    row = {line.split()[2]: line for line in lines[2:6]}
+    assert row["specgate"].endswith("252us")
+    assert row["minimal-aiohttp"].endswith("210us")
+    assert not row["direct"].endswith("us")

@@ -929,3 +929,19 @@ def test_default_yaml(
 
 def test_default_yaml_table_is_big_enough() -> None:
     assert len(DEFAULT_CASES) >= 12
+
+
+def test_a_system_prompt_seen_again_classifies_the_same_and_the_kept_hits_stay_bounded() -> None:
+    from gateway.routing.classify import SYSTEM_HITS_KEPT
+
+    c = Classifier(RULES)
+    rag = chat({"role": "system", "content": "Answer according to the documents."}, "hello")
+    plain = chat({"role": "system", "content": "You are terse."}, "hello")
+    for _ in range(3):
+        assert c.features("chat", rag).task_type == "rag"
+        assert c.features("chat", plain).task_type == CLASSIFIER.features("chat", plain).task_type
+    for i in range(SYSTEM_HITS_KEPT + 10):  # many distinct system prompts: each still scanned right
+        body = chat({"role": "system", "content": f"note {i}: summarise"}, "hello")
+        assert c.features("chat", body).task_type == "summarization"
+    assert len(c._tasks._system_hits) <= SYSTEM_HITS_KEPT
+    assert c.features("chat", rag).task_type == "rag"
