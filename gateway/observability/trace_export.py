@@ -207,16 +207,20 @@ def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[]
 
 class Exporter:
     """The queue of finished traces and the thread that writes their spans and sends them (module docstring).
-    ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests).
-    ``submit`` is called from the event loop; it never blocks on the network and does no encoding."""
+    ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests);
+    ``pace``: give the GIL back every few traces (an event loop shares the process). ``submit`` never blocks on the
+    network and does no encoding."""
 
     def __init__(
         self,
         cfg: ExportConfig,
         send: Callable[[bytes], None] | None = None,
         encode: Callable[[Any], bytes] = b"".join,
+        *,
+        pace: bool = True,
     ) -> None:
         self.cfg = cfg
+        self._pace = pace
         self._close: Callable[[], None] = lambda: None
         if send is None:
             send, self._close = grpc_sender(cfg)
@@ -265,7 +269,7 @@ class Exporter:
                 batch = self._take()
                 stopping = self._stopping and not self._queue
             if batch:
-                self._export(batch, pace=True)
+                self._export(batch, pace=self._pace)
             if stopping:
                 return
 

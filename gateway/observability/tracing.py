@@ -38,6 +38,7 @@ from gateway.observability import otlp_wire as wire
 
 if TYPE_CHECKING:
     from gateway.observability.trace_export import Exporter, HeadSampler
+    from gateway.observability.trace_pipe import SpanPipe
 
 TRACE_ID_HEADER = "x-specgate-trace-id"
 # gen_ai.operation.name of each proxied path (the GenAI conventions have no name of their own for the Responses API).
@@ -85,9 +86,16 @@ class Tracing:
             raise TracingUnavailable(f"tracing needs gRPC: pip install 'specgate[tracing]' ({exc})") from exc
         environ = os.environ if env is None else env
         self.sampler: HeadSampler = trace_export.head_sampler(environ)
-        from gateway.observability.trace_spans import encode
+        cfg = trace_export.ExportConfig.from_env(environ)
+        self.exporter: Exporter | SpanPipe
+        if send is None:  # the export process (``trace_pipe``, ``trace_child``)
+            from gateway.observability.trace_pipe import SpanPipe
 
-        self.exporter: Exporter = trace_export.Exporter(trace_export.ExportConfig.from_env(environ), send, encode)
+            self.exporter = SpanPipe(environ, cfg.timeout_s)
+        else:  # in this process: a thread writes the spans and hands them to ``send``
+            from gateway.observability.trace_spans import encode
+
+            self.exporter = trace_export.Exporter(cfg, send, encode)
         self.encoder = wire.Encoder()  # used by the export thread only (``trace_spans``)
         self.random = random.Random()
         self._bound = self.sampler.bound
@@ -123,6 +131,12 @@ class Tracing:
 
     def span_id(self) -> int:
         return self.random.getrandbits(64) or 1
+
+    def start_export(self) -> None:
+        """Start the export process (the gateway's startup; a process that never serves starts none)."""
+        start = getattr(self.exporter, "start", None)
+        if start is not None:
+            start()
 
     def flush(self) -> None:
         """Send what is queued now (tests)."""
