@@ -8,6 +8,6 @@
 - ``logs``: one JSON line per request and per event.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
 - ``tracing``: OpenTelemetry traces of the proxied requests (``--tracing``): what each request records
-  (``tracing``), its spans written as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exported by
-  ``trace_export``.
+  (``tracing``), handed as a record through a pipe (``trace_pipe``) to an export process (``trace_child``) that
+  writes its spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exports them (``trace_export``).
 """

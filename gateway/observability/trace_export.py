@@ -2,7 +2,7 @@
 standard ``OTEL_*`` variables, with a tail decision that keeps failed and fallen-back requests whatever the head
 sample said.
 
-Imported only when tracing is on (``gateway.observability.tracing.Tracing``): this module imports grpc.
+Imported only when tracing is on (``gateway.observability.tracing.Tracing``): ``grpc_sender`` imports grpc.
 
 Sampling. ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` choose the head sampler with the SDK's names and
 meaning (``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_on``, ``parentbased_always_off``,
@@ -15,11 +15,12 @@ are written only after it ends: for a sampled request, or for one the head sampl
 back. Any other request builds no span at all; its ``traceparent`` to the pools says ``-00`` (not sampled), so the
 gateway's spans of a trace kept by the tail decision have no vLLM span below them.
 
-Export. ``Exporter`` queues the finished traces; a thread writes their spans (``trace_spans``) and sends them
+Export. ``Exporter`` runs in the gateway's export process (``trace_child``; in the gateway's own process only in
+tests): it queues the finished traces; a thread writes their spans (``trace_spans``) and sends them
 in batches (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` spans, or whatever is queued every ``OTEL_BSP_SCHEDULE_DELAY`` ms)
 as OTLP/gRPC ``TraceService/Export`` to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``;
 past ``OTEL_BSP_MAX_QUEUE_SIZE`` queued spans a request's trace is dropped (counted, logged). The thread wakes only
-for a full batch or the schedule, and gives the GIL back every few traces it writes.
+for a full batch or the schedule.
 """
 
 from __future__ import annotations
