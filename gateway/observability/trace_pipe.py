@@ -150,7 +150,7 @@ class SpanPipe:
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd = -1
         self._started = 0.0
-        self._batch: list[tuple[Any, ...]] = []
+        self._batch: list[Any] = []  # finished traces (``tracing.RequestTrace``), recorded when written
         self._batch_spans = 0
         self._pending = b""  # the part of written frames the pipe has not taken yet
         self._timer: asyncio.TimerHandle | None = None
@@ -189,18 +189,13 @@ class SpanPipe:
         return self._batch_spans
 
     def submit(self, t: Any, spans: int) -> None:
-        """One request's finished trace (``spans`` spans): its record joins the next batch."""
+        """One request's finished trace (``spans`` spans): it joins the next batch (its record is made then, with
+        the batch's others: one tight loop costs the event loop less than the same work spread over requests)."""
         if self._closed:
             self.dropped += spans
             return
-        try:
-            rec = record(t)
-        except Exception:  # a bug in reading one trace: that trace is lost, never the request
-            self.dropped += spans
-            self._warn("a trace could not be recorded for export", exc_info=True)
-            return
         batch = self._batch
-        batch.append(rec)
+        batch.append(t)
         self._batch_spans += spans
         if len(batch) >= FLUSH_RECORDS:
             self.flush()
@@ -234,18 +229,21 @@ class SpanPipe:
             with contextlib.suppress(RuntimeError):
                 self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self._tick)
 
-    def _dumps(self, batch: list[tuple[Any, ...]]) -> bytes:
+    def _dumps(self, batch: list[Any]) -> bytes:
+        """The batch's traces as one marshalled list of records; a trace that cannot be put in one (a bug) is
+        dropped alone, counted."""
         try:
-            return marshal.dumps(batch)
-        except ValueError:  # a value marshal cannot write (a bug): the batch's other records still go
+            return marshal.dumps([record(t) for t in batch])
+        except Exception:
             good = []
-            for rec in batch:
+            for t in batch:
                 try:
+                    rec = record(t)
                     marshal.dumps(rec)
                     good.append(rec)
-                except ValueError:
-                    self.dropped += 2 + (rec[11] is not None) + len(rec[13])
-                    self._warn("a trace could not be written for export")
+                except Exception:
+                    self.dropped += spans_of(t)
+                    self._warn("a trace could not be recorded for export", exc_info=True)
             return marshal.dumps(good)
 
     def _write(self, data: bytes, spans: int) -> None:

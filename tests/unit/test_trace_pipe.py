@@ -3,7 +3,9 @@ read back into exactly the spans the gateway would have written itself, and noth
 
 from __future__ import annotations
 
+import asyncio
 import marshal
+import os
 import random
 from typing import Any
 
@@ -59,3 +61,37 @@ def test_a_record_holds_no_prompt_and_only_plain_values() -> None:
     data = marshal.dumps(trace_pipe.record(keep.traces[0][0]))
     assert b"prompt words" not in data
     assert b"hot" not in data
+
+
+def test_a_batch_is_one_frame_and_a_bad_trace_is_dropped_alone() -> None:
+    """What the pipe carries: one frame per batch (length, spans, marshalled records); a trace that cannot be put
+    in a record is counted as dropped and the batch's others still go."""
+    tracing, _ = _tracing("1")
+    tracing.exporter.shutdown()
+    pipe = trace_pipe.SpanPipe({}, 1.0)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    pipe._fd, pipe._ever = w, True  # a pipe with no process behind it: this test reads it
+    tracing.exporter = pipe
+    try:
+
+        async def requests() -> None:  # on an event loop: the records wait for the batch
+            _request(tracing)
+            broken = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+            broken.route(0, traffic_class="c", task_type=None, plan=("a",), reason="preferred", choice=object())
+            broken.finish(status=200, outcome="ok", pool="a", endpoint=None, attempts=0, commit_s=None,
+                          accepted=None, drafted=None, idempotency=None)  # fmt: skip
+            _request(tracing, fallback=True)
+            assert pipe.queued == 4 + 3 + 5
+            pipe.flush()
+
+        asyncio.run(requests())
+        size, spans = trace_pipe.FRAME.unpack(os.read(r, trace_pipe.FRAME.size))
+        records = marshal.loads(os.read(r, size))
+        assert len(records) == 2
+        assert spans == 12
+        assert pipe.dropped == 3
+        assert [trace_pipe.spans_of(trace_pipe.Row(rec, Writer())) for rec in records] == [4, 5]
+    finally:
+        os.close(r)
+        os.close(w)
