@@ -2,10 +2,10 @@
 (``trace_child``), which writes their spans and sends them over OTLP/gRPC on another core.
 
 Why a process. Writing spans and sending them in a thread of the gateway's process costs the event loop more than
-the thread's own work: the two share one interpreter lock, and on a busy gateway every hand-over of it slows the
-loop. Here the event loop only copies each exported trace's values into a tuple (``record``): ints, strings and
-tuples of them, never a prompt or completion text (the same facts the spans say). The records are marshalled in
-batches and written to the child's stdin, a pipe whose write end never blocks:
+the thread's own work: the two share one interpreter lock, so the loop waits while the thread writes spans. Here
+the event loop only keeps each exported trace, and for each batch copies the traces' values into tuples
+(``record``: ints, strings and tuples of them, never a prompt or completion text; the same facts the spans say),
+marshals them in one piece and writes them to the child's stdin, a pipe whose write end never blocks:
 
 - a batch goes out when ``FLUSH_RECORDS`` records are waiting, else ``FLUSH_S`` after the first of them (a timer
   on the running event loop; without one, at once);
@@ -33,6 +33,7 @@ import select
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -154,6 +155,7 @@ class SpanPipe:
         self._batch_spans = 0
         self._pending = b""  # the part of written frames the pipe has not taken yet
         self._timer: asyncio.TimerHandle | None = None
+        self._lock = threading.Lock()
         self._closed = False
         self._pending_spans = 0  # spans of the frames in ``_pending`` (an upper bound)
         self.dropped = 0  # spans: the pipe was full, the child gone, or a trace could not be put in a record
@@ -209,10 +211,15 @@ class SpanPipe:
 
     def _tick(self) -> None:
         self._timer = None
-        self.flush()
+        if not self._closed:
+            self.flush()
 
     def flush(self) -> None:
         """Write the waiting records now, never blocking: what the pipe does not take waits for the next write."""
+        with self._lock:  # the event loop's, against a shutdown from another thread (the runtime's)
+            self._flush()
+
+    def _flush(self) -> None:
         batch, spans = self._batch, self._batch_spans
         self._batch, self._batch_spans = [], 0
         data = b""
@@ -302,12 +309,14 @@ class SpanPipe:
     def shutdown(self) -> None:
         """Write what is waiting (bounded by the exporter's timeout), close the pipe: the child sends its last batch
         and exits (waited for; killed past the timeout)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # a timer still set does nothing
+            self._hand_over()
+        self._stop(kill=False)  # not holding the lock: the event loop never waits for the child to exit
+
+    def _hand_over(self) -> None:
         batch, spans = self._batch, self._batch_spans
         self._batch, self._batch_spans = [], 0
         data = self._pending
@@ -327,4 +336,3 @@ class SpanPipe:
             except OSError as exc:
                 self.dropped += spans
                 self._warn(f"the last spans could not be handed to the trace export process: {exc}")
-        self._stop(kill=False)
