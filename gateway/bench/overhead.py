@@ -438,7 +438,7 @@ def _targets(rows: list[OverheadRow], streams: StreamCost | None) -> list[str]:
                                f"(target >= {least}): {verdict(ratio >= least)}{cost}")  # fmt: skip
     if any(name in r.results for r in rows for name in TRACED):
         out.append("  (tracing: exported to a local OTLP sink that takes the bytes without decoding them; CPU is the "
-                   "gateway process's, all its threads, per request)")  # fmt: skip
+                   "gateway process's, all its threads and its export process, per request)")  # fmt: skip
     if streams is not None:
         v, m = streams.added_ttft_ms("specgate"), streams.added_ttft_ms("minimal-aiohttp")
         out.append(f"  added TTFT p50: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_TTFT_MS} ms): "

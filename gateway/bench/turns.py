@@ -6,7 +6,8 @@ spoils one round's ratio, not the result. Each target's CPU per request comes fr
 
 After each measurement the target's process is let settle (``settle``: its CPU idle) before the next target runs:
 work a target defers past its own turn (a tracing gateway's export thread sending what it queued) would otherwise
-run during the next target's turn, slowing that one and not itself. Its CPU until it settles counts as its own."""
+run during the next target's turn, slowing that one and not itself. Its CPU until it settles counts as its own, and
+so does the CPU of the processes it started (a tracing gateway's export process)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,42 @@ def settle(
 
 
 def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads), or None where /proc cannot tell."""
+    """User + system CPU seconds of process ``pid`` (all its threads) and of the processes it started that still
+    run (a tracing gateway's export process), or None where /proc cannot tell."""
+    total = _own_cpu_s(pid)
+    if total is None:
+        return None
+    for child in _descendants(pid):
+        total += _own_cpu_s(child) or 0.0
+    return total
+
+
+def _own_cpu_s(pid: int) -> float | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc's children lists (empty where the kernel does not keep them)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                found = [int(x) for x in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out += found
+            todo += found
+    return out
 
 
 def in_turns(urls: dict[str, str], rounds: int, pids: dict[str, int], measure: Callable[[str], R]) -> Turns[R]:

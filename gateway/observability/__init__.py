@@ -10,6 +10,6 @@
 - ``fast_child``: the metrics' label children the request path updates, without the library's checks on every call.
 - ``acceptance``: per-class speculative-decoding acceptance windows, fed by what speculative pools report.
 - ``tracing``: OpenTelemetry traces of the proxied requests (``--tracing``): what each request records
-  (``tracing``), its spans written as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exported by
-  ``trace_export``.
+  (``tracing``), handed as a record through a pipe (``trace_pipe``) to an export process (``trace_child``) that
+  writes its spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) and exports them (``trace_export``).
 """

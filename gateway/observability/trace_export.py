@@ -2,7 +2,7 @@
 standard ``OTEL_*`` variables, with a tail decision that keeps failed and fallen-back requests whatever the head
 sample said.
 
-Imported only when tracing is on (``gateway.observability.tracing.Tracing``): this module imports grpc.
+Imported only when tracing is on (``gateway.observability.tracing.Tracing``): ``grpc_sender`` imports grpc.
 
 Sampling. ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` choose the head sampler with the SDK's names and
 meaning (``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_on``, ``parentbased_always_off``,
@@ -15,11 +15,12 @@ are written only after it ends: for a sampled request, or for one the head sampl
 back. Any other request builds no span at all; its ``traceparent`` to the pools says ``-00`` (not sampled), so the
 gateway's spans of a trace kept by the tail decision have no vLLM span below them.
 
-Export. ``Exporter`` queues the finished traces; a thread writes their spans (``trace_spans``) and sends them
+Export. ``Exporter`` runs in the gateway's export process (``trace_child``; in the gateway's own process only in
+tests): it queues the finished traces; a thread writes their spans (``trace_spans``) and sends them
 in batches (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` spans, or whatever is queued every ``OTEL_BSP_SCHEDULE_DELAY`` ms)
 as OTLP/gRPC ``TraceService/Export`` to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``;
 past ``OTEL_BSP_MAX_QUEUE_SIZE`` queued spans a request's trace is dropped (counted, logged). The thread wakes only
-for a full batch or the schedule, and gives the GIL back every few traces it writes.
+for a full batch or the schedule.
 """
 
 from __future__ import annotations
@@ -207,16 +208,20 @@ def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[]
 
 class Exporter:
     """The queue of finished traces and the thread that writes their spans and sends them (module docstring).
-    ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests).
-    ``submit`` is called from the event loop; it never blocks on the network and does no encoding."""
+    ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests);
+    ``pace``: give the GIL back every few traces (an event loop shares the process). ``submit`` never blocks on the
+    network and does no encoding."""
 
     def __init__(
         self,
         cfg: ExportConfig,
         send: Callable[[bytes], None] | None = None,
         encode: Callable[[Any], bytes] = b"".join,
+        *,
+        pace: bool = True,
     ) -> None:
         self.cfg = cfg
+        self._pace = pace
         self._close: Callable[[], None] = lambda: None
         if send is None:
             send, self._close = grpc_sender(cfg)
@@ -265,7 +270,7 @@ class Exporter:
                 batch = self._take()
                 stopping = self._stopping and not self._queue
             if batch:
-                self._export(batch, pace=True)
+                self._export(batch, pace=self._pace)
             if stopping:
                 return
 

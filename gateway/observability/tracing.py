@@ -15,10 +15,12 @@ neither the exporter nor gRPC is imported. On, ``Tracing`` (one per process, bui
 
 How it stays cheap: while the request runs, ``RequestTrace`` keeps timestamps and references in its slots (the ids
 are drawn at once, so a pool's ``traceparent`` names the attempt span written later). When the request ends and
-its trace is exported (head sample or tail decision, ``trace_export``), the trace itself is queued; the export
-thread writes its spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) in batches, off the event loop. Any other
-request builds nothing: an unsampled one does not even read its answer for finish reasons and usage unless the
-tail decision keeps it (then the last two pieces of the answer are read).
+its trace is exported (head sample or tail decision, ``trace_export``), its values are copied into a record of
+plain data and handed in batches through a pipe to the gateway process's export process (``trace_pipe``,
+``trace_child``), which writes the spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) and sends them, on
+another core and under another interpreter lock. Any other request builds nothing: an unsampled one does not even
+read its answer for finish reasons and usage unless the tail decision keeps it (then the last two pieces of the
+answer are read).
 
 No prompt or completion text is ever put in a span: finish reasons and token counts are read from the pool's answer
 by a pattern that only matches the JSON keys, and error messages (which may quote a pool's answer) stay in the
@@ -38,6 +40,7 @@ from gateway.observability import otlp_wire as wire
 
 if TYPE_CHECKING:
     from gateway.observability.trace_export import Exporter, HeadSampler
+    from gateway.observability.trace_pipe import SpanPipe
 
 TRACE_ID_HEADER = "x-specgate-trace-id"
 # gen_ai.operation.name of each proxied path (the GenAI conventions have no name of their own for the Responses API).
@@ -72,8 +75,8 @@ class TracingUnavailable(RuntimeError):
 
 class Tracing:
     """The process's tracing: the head sampler and the exporter set up from the ``OTEL_*`` variables
-    (``trace_export``). ``send`` replaces the OTLP/gRPC call with a function of the encoded
-    ``ExportTraceServiceRequest`` (tests)."""
+    (``trace_export``): the export process (``trace_pipe``, started by ``start_export``). ``send`` replaces it with
+    an export thread in this process that hands each encoded ``ExportTraceServiceRequest`` to ``send`` (tests)."""
 
     def __init__(self, env: Mapping[str, str] | None = None, send: Callable[[bytes], None] | None = None) -> None:
         try:
@@ -85,9 +88,16 @@ class Tracing:
             raise TracingUnavailable(f"tracing needs gRPC: pip install 'specgate[tracing]' ({exc})") from exc
         environ = os.environ if env is None else env
         self.sampler: HeadSampler = trace_export.head_sampler(environ)
-        from gateway.observability.trace_spans import encode
+        cfg = trace_export.ExportConfig.from_env(environ)
+        self.exporter: Exporter | SpanPipe
+        if send is None:  # the export process (``trace_pipe``, ``trace_child``)
+            from gateway.observability.trace_pipe import SpanPipe
 
-        self.exporter: Exporter = trace_export.Exporter(trace_export.ExportConfig.from_env(environ), send, encode)
+            self.exporter = SpanPipe(environ, cfg.timeout_s)
+        else:  # in this process: a thread writes the spans and hands them to ``send``
+            from gateway.observability.trace_spans import encode
+
+            self.exporter = trace_export.Exporter(cfg, send, encode)
         self.encoder = wire.Encoder()  # used by the export thread only (``trace_spans``)
         self.random = random.Random()
         self._bound = self.sampler.bound
@@ -123,6 +133,12 @@ class Tracing:
 
     def span_id(self) -> int:
         return self.random.getrandbits(64) or 1
+
+    def start_export(self) -> None:
+        """Start the export process (the gateway's startup; a process that never serves starts none)."""
+        start = getattr(self.exporter, "start", None)
+        if start is not None:
+            start()
 
     def flush(self) -> None:
         """Send what is queued now (tests)."""
@@ -320,7 +336,7 @@ class RequestTrace:
         idempotency: str | None,
     ) -> bool:
         """The request ended (once, from ``RequestRecord.finish``): when the head sample or the tail decision keeps
-        it, the trace is queued and the export thread writes its spans (True); otherwise nothing more happens."""
+        it, the trace is handed to the exporter, which writes its spans (True); otherwise nothing more happens."""
         end_ns = time.time_ns()
         failed = outcome in _FAILED
         fallback = attempts > 1 or (attempts == 1 and self.planned is not None and pool != self.planned)

@@ -191,6 +191,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> GatewayApp
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await rt.start()
+        if rt.tracing is not None:  # its export process (a process that never serves, a supervisor, starts none)
+            rt.tracing.start_export()
         try:
             yield
         finally:

@@ -4,8 +4,13 @@ median of the rounds' ratios (one disturbed round does not move it)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
+from gateway.bench import turns
 from gateway.bench.turns import in_turns
 
 
@@ -52,3 +57,33 @@ def test_settle_returns_for_a_process_that_is_gone() -> None:
     from gateway.bench.turns import settle
 
     settle(2**22 + 12345, limit_s=1.0)  # no such pid: /proc cannot tell, nothing to wait for
+
+
+def test_cpu_counts_the_processes_a_target_started() -> None:
+    """A tracing gateway's export process is part of its cost: its CPU counts as the gateway's."""
+    script = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"  # the busy one is the child
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == b"ready"
+        child = turns._descendants(parent.pid)
+        assert len(child) == 1
+        deadline = time.monotonic() + 60
+        while True:  # the busy child's CPU shows in the parent's total, not in its own
+            own, total = turns._own_cpu_s(parent.pid), turns.cpu_s(parent.pid)
+            assert own is not None
+            assert total is not None
+            if total - own >= 0.1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert total - own >= 0.1
+    finally:
+        for pid in turns._descendants(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
