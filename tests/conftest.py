@@ -67,6 +67,16 @@ class ServerThread:
         self._sock.close()
 
 
+def poll(check: Callable[[], bool], timeout_s: float) -> bool:
+    """True as soon as ``check()`` is; else its last answer after ``timeout_s`` (checked every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
 def closed_port_url() -> str:
     """A URL where nothing listens (connection refused)."""
     with socket.socket() as s:

@@ -4,7 +4,6 @@ override-host load balancing over two simulated pools, configured from the shipp
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import MODEL, closed_port_url, rules_for, started_sims
+from tests.conftest import MODEL, closed_port_url, poll, rules_for, started_sims
 from tests.epp_rig import ADMIN_AUTH, Envoy, Epp, envoy_binary
 
 pytestmark = pytest.mark.integration
@@ -29,12 +28,7 @@ def chat(envoy: Envoy, temperature: float, prompt: str, **extra: Any) -> httpx.R
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
+    return poll(check, timeout_s)
 
 
 class Rig:

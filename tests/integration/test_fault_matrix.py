@@ -31,7 +31,7 @@ from gateway.sim.app import SimOptions
 from gateway.sim.faults import Faults
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
-from tests.conftest import MODEL, SPEC_ONLY_MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, SPEC_ONLY_MODEL, ServerThread, poll, rules_for
 
 pytestmark = pytest.mark.integration
 
@@ -133,12 +133,7 @@ def metric(gw: ServerThread, name: str, *labels: str) -> float:
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+    return poll(cond, timeout_s)
 
 
 @dataclass

@@ -3,14 +3,13 @@ cannot leave any number of generations running by hanging up."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, poll, rules_for
 
 Fake = Callable[..., FakeUpstreamServer]
 Gateway = Callable[..., ServerThread]
@@ -30,12 +29,7 @@ def metric(gw: ServerThread, name: str) -> float:
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+    return poll(cond, timeout_s)
 
 
 def test_an_answer_too_large_to_keep_leaves_the_key_used_and_its_replay_says_so(fake: Fake, gateway: Gateway) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, ServerThread, rules_for, static_routes
+from tests.conftest import MODEL, ServerThread, poll, rules_for, static_routes
 
 Fake = Callable[..., FakeUpstreamServer]
 Gateway = Callable[..., ServerThread]
@@ -41,12 +40,7 @@ def metric(gw: ServerThread, name: str, **labels: str) -> float:
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
+    return poll(check, timeout_s)
 
 
 def test_a_full_connection_pool_is_back_pressure_not_an_unhealthy_endpoint(fake: Fake, gateway: Gateway) -> None:

@@ -26,7 +26,7 @@ import orjson
 import pytest
 
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, poll, rules_for
 
 Fake = Callable[..., FakeUpstreamServer]
 Gateway = Callable[..., ServerThread]
@@ -190,12 +190,7 @@ def metric(gw: ServerThread, pattern: str) -> float:
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+    return poll(cond, timeout_s)
 
 
 def in_flight_is_zero(gw: ServerThread) -> bool:

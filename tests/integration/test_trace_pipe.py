@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import poll
 
 pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
@@ -36,12 +37,7 @@ def _gone(pid: int) -> bool:
 
 
 def _eventually(check: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
+    return poll(check, WAIT_S)
 
 
 def test_shutdown_sends_what_is_waiting(receiver: tuple[Receiver, str], monkeypatch: pytest.MonkeyPatch) -> None:

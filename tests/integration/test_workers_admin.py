@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from gateway.testing.fake_upstream import FakeUpstreamServer
-from tests.conftest import ADMIN_AUTH, MODEL, RedisServer, Served, rules_for, static_routes
+from tests.conftest import ADMIN_AUTH, MODEL, RedisServer, Served, poll, rules_for, static_routes
 
 pytestmark = pytest.mark.integration
 
@@ -42,12 +41,7 @@ def every_answer(gw: Served, method: str, path: str, **kw: Any) -> list[httpx.Re
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return check()
+    return poll(check, timeout_s)
 
 
 def answering_pids(states: list[dict[str, Any]]) -> set[int]:
