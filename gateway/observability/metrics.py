@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -41,6 +42,10 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OPENMETRICS = "application/openmetrics-text"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+# Why the tracing drops spans: before its export process had them (the pipe's bound, no export process, a trace that
+# could not be recorded), and in the export process (its queue's bound, a failed export, a span not written).
+TRACE_DROP_REASONS = ("pipe_full", "export_process_down", "queue_full", "export_failed", "unwritable")
 
 
 class GatewayMetrics(FleetMetrics):
@@ -234,6 +239,22 @@ class GatewayMetrics(FleetMetrics):
         for result in ("ok", "unchanged", "invalid", "error"):
             self.config_reloads.labels(result)
         self._config_labels: tuple[str, str] | None = None
+        # Tracing (gateway.observability.tracing; only with --tracing): the spans sent to the collector, and those
+        # dropped by why (the pipe to the export process, the export process's queue, a failed export).
+        self.trace_spans_exported = Counter(
+            "specgate_trace_spans_exported",
+            "Spans sent to the OTLP collector (tracing on).",
+            registry=r,
+        )
+        self.trace_spans_dropped = Counter(
+            "specgate_trace_spans_dropped",
+            "Spans dropped (tracing on), by reason: " + ", ".join(TRACE_DROP_REASONS) + ".",
+            ["reason"],
+            registry=r,
+        )
+        for reason in TRACE_DROP_REASONS:
+            self.trace_spans_dropped.labels(reason)
+        self._trace_seen: dict[str, int] = {}
         self.latency_windows: dict[tuple[str, str], LatencyWindow] = {}  # (class, pool): successful requests' E2E
 
     def set_config(self, version: str, digest: str) -> None:
@@ -245,6 +266,19 @@ class GatewayMetrics(FleetMetrics):
             self.config_info.labels(*previous).set(0)
             self.config_info.remove(*previous)
         self.config_info.labels(*labels).set(1)
+
+    def trace_spans(self, counts: Mapping[str, int]) -> None:
+        """The tracing's totals so far (``exported`` and each drop reason): the counters move by what is new."""
+        seen = self._trace_seen
+        for key, total in counts.items():
+            new = total - seen.get(key, 0)
+            if new <= 0:
+                continue
+            seen[key] = total
+            if key == "exported":
+                self.trace_spans_exported.inc(new)
+            else:
+                self.trace_spans_dropped.labels(key).inc(new)
 
     def share_across_workers(self, path: str) -> None:
         """Render /metrics from every worker's files in ``path`` (this process's values must be written there)."""

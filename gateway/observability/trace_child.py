@@ -7,6 +7,10 @@ It ends when its stdin ends (the gateway closed the pipe, or its process ended, 
 first (bounded by the exporter's timeout). Ctrl-C in a terminal reaches the whole process group: it is ignored
 here, so the gateway's own shutdown decides when the last spans go. Its warnings (an export failed, spans dropped)
 go to stderr, shared with the gateway, as the gateway's JSON lines.
+
+Its stdout tells the gateway how many spans it has sent and dropped (``Reporter``): after each batch read and each
+export, when a count changed, one line of totals (``REPORT_FIELDS``, space-separated). The pipe is written without
+ever blocking: a line the gateway has not made room for is skipped (the next one carries the totals).
 """
 
 from __future__ import annotations
@@ -17,13 +21,36 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Callable
 from typing import BinaryIO
 
 from gateway.observability import otlp_wire
 from gateway.observability.trace_export import ExportConfig, Exporter
-from gateway.observability.trace_pipe import FRAME, Row, spans_of
+from gateway.observability.trace_pipe import FRAME, REPORT_FIELDS, Row, spans_of
 
 log = logging.getLogger("specgate.trace_export")
+
+
+class Reporter:
+    """Writes the exporter's totals to ``fd`` (a pipe set non-blocking) when they changed (module docstring). Called
+    from the reading loop and the export thread: a line is shorter than ``PIPE_BUF``, so two never interleave."""
+
+    __slots__ = ("_fd", "_last")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._last: tuple[int, ...] = ()
+
+    def __call__(self, exporter: Exporter) -> None:
+        counts = exporter.counts()
+        now = tuple(counts[k] for k in REPORT_FIELDS)
+        if now == self._last:
+            return
+        try:
+            os.write(self._fd, " ".join(map(str, now)).encode() + b"\n")
+            self._last = now
+        except OSError:  # full (the gateway reads it at its own pace) or closed: the next line says it all
+            pass
 
 
 class Writer:
@@ -36,8 +63,9 @@ class Writer:
         self.random = random.Random()
 
 
-def pump(stream: BinaryIO, exporter: Exporter) -> int:
-    """Read frames until the stream ends, queueing each record for export; returns the records read."""
+def pump(stream: BinaryIO, exporter: Exporter, report: Callable[[Exporter], None] = lambda e: None) -> int:
+    """Read frames until the stream ends, queueing each record for export (``report`` after each frame); returns
+    the records read."""
     writer = Writer()
     read = 0
     while True:
@@ -51,8 +79,9 @@ def pump(stream: BinaryIO, exporter: Exporter) -> int:
         try:
             records = marshal.loads(payload)
         except (ValueError, EOFError, TypeError):
-            exporter.dropped += spans
+            exporter.lost["unwritable"] += spans
             log.exception("a batch of trace records could not be read")
+            report(exporter)
             continue
         for rec in records:
             try:
@@ -62,6 +91,7 @@ def pump(stream: BinaryIO, exporter: Exporter) -> int:
                 continue
             exporter.submit(row, spans_of(row))
             read += 1
+        report(exporter)
 
 
 def main() -> None:
@@ -70,11 +100,14 @@ def main() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging("warning")
-    exporter = Exporter(ExportConfig.from_env(os.environ), encode=encode, pace=False)
+    os.set_blocking(sys.stdout.fileno(), False)
+    reporter = Reporter(sys.stdout.fileno())
+    exporter = Exporter(ExportConfig.from_env(os.environ), encode=encode, pace=False, on_export=reporter)
     try:
-        pump(sys.stdin.buffer, exporter)
+        pump(sys.stdin.buffer, exporter, reporter)
     finally:
         exporter.shutdown()
+        reporter(exporter)
         if exporter.dropped:
             log.warning("trace export ends: %d spans sent, %d dropped", exporter.exported, exporter.dropped)
 

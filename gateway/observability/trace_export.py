@@ -49,6 +49,9 @@ _SAMPLERS = (
     "parentbased_traceidratio",
 )
 _RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED"})
+# Why spans are dropped in the exporter: its queue was full (or it was stopping), the collector refused or could not be
+# reached within the timeout, a trace could not be written (a bug; logged with its traceback).
+LOST = ("queue_full", "export_failed", "unwritable")
 _LOG_EVERY_S = 60.0  # at most one warning a minute about failed or dropped exports
 _PACE = 16  # traces written between two chances for the event loop to take the GIL
 
@@ -209,7 +212,8 @@ def grpc_sender(cfg: ExportConfig) -> tuple[Callable[[bytes], None], Callable[[]
 class Exporter:
     """The queue of finished traces and the thread that writes their spans and sends them (module docstring).
     ``encode`` writes one queued item's spans, joined (``trace_spans.encode``); ``send`` replaces gRPC (tests);
-    ``pace``: give the GIL back every few traces (an event loop shares the process). ``submit`` never blocks on the
+    ``pace``: give the GIL back every few traces (an event loop shares the process); ``on_export``: called (from the
+    thread) after each export, sent or not (the export process reports its counts). ``submit`` never blocks on the
     network and does no encoding."""
 
     def __init__(
@@ -219,9 +223,11 @@ class Exporter:
         encode: Callable[[Any], bytes] = b"".join,
         *,
         pace: bool = True,
+        on_export: Callable[[Exporter], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self._pace = pace
+        self._on_export = on_export
         self._close: Callable[[], None] = lambda: None
         if send is None:
             send, self._close = grpc_sender(cfg)
@@ -232,7 +238,8 @@ class Exporter:
         self._queued = 0  # spans in the queue
         self._cond = threading.Condition(threading.Lock())
         self._stopping = False
-        self.dropped = 0  # spans dropped: the queue was full, an export failed, or a trace could not be written
+        # spans dropped, by why: the queue was full, an export failed, a trace could not be written (``LOST``)
+        self.lost: dict[str, int] = dict.fromkeys(LOST, 0)
         self.exported = 0
         self._last_warning = 0.0
         self._thread = threading.Thread(target=self._run, name="specgate-trace-export", daemon=True)
@@ -242,7 +249,7 @@ class Exporter:
         """One request's finished trace, which ``encode`` turns into ``spans`` spans."""
         with self._cond:
             if self._queued + spans > self.cfg.queue_spans or self._stopping:
-                self.dropped += spans
+                self.lost["queue_full"] += spans
                 return
             self._queue.append((item, spans))
             self._queued += spans
@@ -288,19 +295,34 @@ class Exporter:
                 failed += n
             if pace and i % _PACE == _PACE - 1:
                 time.sleep(0)
-        self.dropped += failed
+        self.lost["unwritable"] += failed
         if not spans:
+            self._reported()
             return
         try:
             self._send(otlp_wire.request(self._fixed, spans))
             self.exported += written
         except Exception as exc:  # a collector away or refusing: the batch is lost, the gateway goes on
-            self.dropped += written
+            self.lost["export_failed"] += written
             now = time.monotonic()
             if now - self._last_warning >= _LOG_EVERY_S:
                 self._last_warning = now
                 target, dropped = self.cfg.target, self.dropped
                 log.warning("trace export to %s failed (%d spans dropped so far): %s", target, dropped, exc)
+        self._reported()
+
+    def _reported(self) -> None:
+        if self._on_export is not None:
+            self._on_export(self)
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped so far, whatever the reason."""
+        return sum(self.lost.values())
+
+    def counts(self) -> dict[str, int]:
+        """Spans exported and dropped so far (``exported``, then each reason of ``LOST``)."""
+        return {"exported": self.exported, **self.lost}
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Send everything queued now (tests, shutdown), from the calling thread."""

@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.observability.trace_export import LOST
 from gateway.observability.trace_spans import request_params
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ PIPE_BYTES = 1 << 20  # asked of the kernel for the pipe (Linux: F_SETPIPE_SZ; t
 RESTART_S = 10.0
 _LOG_EVERY_S = 60.0
 _F_SETPIPE_SZ = 1031
+# Why spans are dropped before the export process has them: the pipe's bound was reached, no export process took
+# them (it died or is being replaced, or the gateway is stopping), a trace could not be recorded (a bug; logged).
+PIPE_LOST = ("pipe_full", "export_process_down", "unwritable")
+REPORT_FIELDS = ("exported", *LOST)  # the totals on a line of the export process's stdout, in order
+_REPORT_BYTES = 1 << 16  # the most read of the child's report lines at once
 
 
 def record(t: Any) -> tuple[Any, ...]:
@@ -155,10 +161,16 @@ class SpanPipe:
         self._batch_spans = 0
         self._pending = b""  # the part of written frames the pipe has not taken yet
         self._timer: asyncio.TimerHandle | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # ``_stop`` runs under it from ``_write``, or alone at shutdown
         self._closed = False
         self._pending_spans = 0  # spans of the frames in ``_pending`` (an upper bound)
-        self.dropped = 0  # spans: the pipe was full, the child gone, or a trace could not be put in a record
+        # spans dropped here, by why: the pipe was full, no export process took them, a trace could not be put in
+        # a record (``PIPE_LOST``); the export process's own counts come on its stdout (``counts``)
+        self.lost: dict[str, int] = dict.fromkeys(PIPE_LOST, 0)
+        self._out_fd = -1  # the child's stdout: its report lines (``trace_child.Reporter``)
+        self._out_buf = b""
+        self._child_now: dict[str, int] = {}  # the running child's latest totals
+        self._child_before: dict[str, int] = {}  # the totals of the children that ended
         self._last_warning = 0.0
         self._ever = False  # a child was started once (the first one starts without waiting ``restart_s``)
 
@@ -172,9 +184,12 @@ class SpanPipe:
         self._started = time.monotonic()
         self._pending, self._pending_spans = b"", 0
         cmd = [sys.executable, "-m", "gateway.observability.trace_child"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=self._env, close_fds=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env, close_fds=True)
         assert proc.stdin is not None
+        assert proc.stdout is not None
         fd = proc.stdin.fileno()
+        self._out_fd, self._out_buf = proc.stdout.fileno(), b""
+        os.set_blocking(self._out_fd, False)
         with contextlib.suppress(OSError):  # the kernel's limit may be lower: the default size then
             import fcntl
 
@@ -194,7 +209,7 @@ class SpanPipe:
         """One request's finished trace (``spans`` spans): it joins the next batch (its record is made then, with
         the batch's others: one tight loop costs the event loop less than the same work spread over requests)."""
         if self._closed:
-            self.dropped += spans
+            self.lost["export_process_down"] += spans
             return
         batch = self._batch
         batch.append(t)
@@ -226,7 +241,7 @@ class SpanPipe:
         if batch:
             payload = self._dumps(batch)
             if len(self._pending) + len(payload) > self._pending_bytes:
-                self.dropped += spans
+                self.lost["pipe_full"] += spans
                 self._warn("trace export cannot keep up: spans dropped")
                 spans = 0
             else:
@@ -249,7 +264,7 @@ class SpanPipe:
                     marshal.dumps(rec)
                     good.append(rec)
                 except Exception:
-                    self.dropped += spans_of(t)
+                    self.lost["unwritable"] += spans_of(t)
                     self._warn("a trace could not be recorded for export", exc_info=True)
             return marshal.dumps(good)
 
@@ -260,18 +275,18 @@ class SpanPipe:
             return
         if self._fd < 0:
             if self._closed or (self._ever and time.monotonic() - self._started < self._restart_s):
-                self.dropped += spans
+                self.lost["export_process_down"] += spans
                 return
             self._restart()
             if self._fd < 0:
-                self.dropped += spans
+                self.lost["export_process_down"] += spans
                 return
         try:
             n = os.write(self._fd, data)
         except BlockingIOError:
             n = 0
         except OSError as exc:  # the child is gone: what was waiting is lost; a new child on a later batch
-            self.dropped += waiting + spans
+            self.lost["export_process_down"] += waiting + spans
             self._warn(f"the trace export process is gone ({exc}): spans dropped until another one starts")
             self._stop(kill=True)
             return
@@ -300,11 +315,58 @@ class SpanPipe:
             proc.stdin.close()
         if kill:
             proc.kill()
-        try:
-            proc.wait(timeout=None if kill else self._timeout_s + 2)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + (0.0 if kill else self._timeout_s + 2)
+        while proc.poll() is None and time.monotonic() < deadline:  # its last report lines read meanwhile
+            with self._lock:
+                self._read_reports()
+            time.sleep(0.01)
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.wait()
+        with self._lock:
+            self._read_reports()
+            for k, v in self._child_now.items():
+                self._child_before[k] = self._child_before.get(k, 0) + v
+            self._child_now, self._out_fd, self._out_buf = {}, -1, b""
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def _read_reports(self) -> None:
+        """Take the export process's latest totals from what its stdout holds (never waiting)."""
+        if self._out_fd < 0:
+            return
+        data = self._out_buf
+        try:
+            while chunk := os.read(self._out_fd, _REPORT_BYTES):
+                data += chunk
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._out_fd = -1
+        *lines, self._out_buf = data.split(b"\n")
+        for line in reversed(lines):
+            fields = line.split()
+            if len(fields) == len(REPORT_FIELDS) and all(f.isdigit() for f in fields):
+                self._child_now = dict(zip(REPORT_FIELDS, map(int, fields), strict=True))
+                break
+        if len(self._out_buf) > _REPORT_BYTES:  # not a report: forget it
+            self._out_buf = b""
+
+    def counts(self) -> dict[str, int]:
+        """Spans exported and dropped so far: the export processes' reports (``REPORT_FIELDS``), plus the spans
+        dropped here (``PIPE_LOST``); ``unwritable`` is both sides'."""
+        with self._lock:
+            self._read_reports()
+            out = dict.fromkeys(("exported", *LOST, *PIPE_LOST), 0)
+            for counts in (self._child_before, self._child_now, self.lost):
+                for k, v in counts.items():
+                    out[k] += v
+            return out
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped here, before an export process had them."""
+        return sum(self.lost.values())
 
     def shutdown(self) -> None:
         """Write what is waiting (bounded by the exporter's timeout), close the pipe: the child sends its last batch
@@ -334,5 +396,5 @@ class SpanPipe:
                         raise TimeoutError("the trace export process takes nothing")
                     view = view[os.write(self._fd, view) :]
             except OSError as exc:
-                self.dropped += spans
+                self.lost["export_process_down"] += spans
                 self._warn(f"the last spans could not be handed to the trace export process: {exc}")

@@ -140,6 +140,10 @@ class Tracing:
         if start is not None:
             start()
 
+    def span_counts(self) -> dict[str, int]:
+        """Spans exported and dropped so far, by reason (``specgate_trace_spans_*``)."""
+        return self.exporter.counts()
+
     def flush(self) -> None:
         """Send what is queued now (tests)."""
         self.exporter.flush()

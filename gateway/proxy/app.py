@@ -174,6 +174,8 @@ async def metrics(request: Request) -> Response:
     rt = _runtime(request)
     rt.authenticate_metrics(request.headers.get("authorization"))  # names and traffic: not for strangers
     m = rt.metrics
+    if rt.tracing is not None:
+        m.trace_spans(rt.tracing.span_counts())
     # With tracing on, a scraper that accepts OpenMetrics gets it: the latency histograms' trace-id exemplars.
     if rt.tracing is not None and m.shared_dir is None and OPENMETRICS in request.headers.get("accept", ""):
         return Response(m.render(openmetrics=True), 200, media_type=OPENMETRICS_CONTENT_TYPE)

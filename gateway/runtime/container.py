@@ -221,6 +221,8 @@ class Runtime:
 
     async def _scrape_round(self) -> None:
         self._export_admission()
+        if self.tracing is not None:  # spans exported and dropped (the export process reports its own)
+            self.metrics.trace_spans(self.tracing.span_counts())
         if not self._acting_locally():
             return
         await self.scraper.scrape_all()

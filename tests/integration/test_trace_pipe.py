@@ -54,6 +54,24 @@ def test_shutdown_sends_what_is_waiting(receiver: tuple[Receiver, str], monkeypa
     assert _gone(pid)
     assert sorted({s.trace_id for s in rx.spans}) == sorted(ids)
     assert len(rx.trace(ids[1])) == 5
+    counts = tracing.span_counts()  # the export process's last report, read when it ended
+    assert counts["exported"] == 9
+    assert sum(counts.values()) == 9
+
+
+def test_spans_a_collector_never_took_are_counted_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nobody listens there
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    tracing = Tracing()
+    tracing.start_export()
+    _request(tracing)
+    try:
+        assert _eventually(lambda: tracing.span_counts()["export_failed"] == 4)
+        assert tracing.span_counts()["exported"] == 0
+    finally:
+        tracing.shutdown()
 
 
 def test_the_export_process_dies_with_the_gateway(tmp_path: Path) -> None:
@@ -102,6 +120,8 @@ def test_a_dead_export_process_drops_spans_and_is_replaced(
     assert second != first
     assert pipe.dropped == 8
     assert _eventually(lambda: len(rx.trace(kept)) == 4)
+    assert _eventually(lambda: tracing.span_counts()["exported"] == 4)
+    assert tracing.span_counts()["export_process_down"] == 8
     tracing.shutdown()
 
 
@@ -118,6 +138,7 @@ def test_a_stuck_export_process_never_blocks(receiver: tuple[Receiver, str]) -> 
         for _ in range(6000):  # far more than the pipe and the pending bytes hold: each call returns at once
             _request(tracing)
         assert pipe.dropped > 0
+        assert pipe.counts()["pipe_full"] == pipe.dropped
     finally:
         os.kill(pid, signal.SIGCONT)
 

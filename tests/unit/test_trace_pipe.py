@@ -95,3 +95,52 @@ def test_a_batch_is_one_frame_and_a_bad_trace_is_dropped_alone() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_the_export_process_reports_its_totals_and_the_gateway_reads_the_latest() -> None:
+    """The export process writes a line of totals when they change (never blocking: a full pipe skips the line); the
+    gateway's end takes the last whole line, keeps a partial one for later, ignores what is not a report, and adds
+    the totals of an export process that ended to those of the next."""
+    from gateway.observability.trace_child import Reporter
+
+    class _Exp:
+        def __init__(self) -> None:
+            self.values = {"exported": 0, "queue_full": 0, "export_failed": 0, "unwritable": 0}
+
+        def counts(self) -> dict[str, int]:
+            return dict(self.values)
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    exp = _Exp()
+    report = Reporter(w)
+    report(exp)  # type: ignore[arg-type]
+    report(exp)  # type: ignore[arg-type]  # unchanged: no second line
+    assert os.read(r, 100) == b"0 0 0 0\n"
+    exp.values["exported"] = 7
+    report(exp)  # type: ignore[arg-type]
+    exp.values["export_failed"] = 2
+    report(exp)  # type: ignore[arg-type]
+
+    pipe = trace_pipe.SpanPipe({}, 1.0)
+    pipe._out_fd = r
+    assert pipe.counts()["exported"] == 7
+    assert pipe.counts()["export_failed"] == 2
+    os.write(w, b"garbage\n9 0 1")  # not a report, then a line not ended yet
+    assert pipe.counts()["exported"] == 7
+    os.write(w, b" 0\n")
+    assert (pipe.counts()["exported"], pipe.counts()["export_failed"]) == (9, 1)
+    pipe.lost["pipe_full"] = 3
+    assert pipe.counts()["pipe_full"] == 3
+    pipe._child_before = {"exported": 100, "export_failed": 5}  # an earlier export process's last totals
+    assert (pipe.counts()["exported"], pipe.counts()["export_failed"]) == (109, 6)
+    while True:  # a full pipe: the reporter skips lines and never blocks
+        try:
+            os.write(w, b"x" * 4096)
+        except BlockingIOError:
+            break
+    exp.values["exported"] = 8
+    report(exp)  # type: ignore[arg-type]
+    os.close(w)
+    os.close(r)

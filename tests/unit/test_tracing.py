@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
 
 from gateway.config.settings import Settings, SettingsError
 from gateway.observability import otlp_wire
+from gateway.observability.metrics import TRACE_DROP_REASONS, GatewayMetrics
 from gateway.observability.trace_export import ExportConfig, TracingConfigError, head_sampler
 from gateway.observability.tracing import Tracing
 from gateway.routing.class_track import RouteChoice
@@ -249,7 +250,38 @@ def test_export_queue_is_bounded() -> None:
     assert tracing.exporter.queued == 8
     assert tracing.exporter.dropped == 4
     assert len(_exported(tracing, sent)) == 8
+    assert tracing.span_counts() == {"exported": 8, "queue_full": 4, "export_failed": 0, "unwritable": 0}
     tracing.shutdown()
+
+
+def test_a_failed_export_is_counted_by_its_reason() -> None:
+    def refuse(data: bytes) -> None:
+        raise ConnectionError("collector away")
+
+    tracing = Tracing({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_BSP_SCHEDULE_DELAY": "3600000"}, send=refuse)
+    _request(tracing)
+    tracing.flush()
+    assert tracing.span_counts() == {"exported": 0, "queue_full": 0, "export_failed": 4, "unwritable": 0}
+    tracing.shutdown()
+
+
+def test_span_counters_move_by_what_is_new() -> None:
+    """``GatewayMetrics.trace_spans`` is given running totals (each scrape round): the counters add the difference."""
+    m = GatewayMetrics()
+    m.trace_spans({"exported": 10, "pipe_full": 0, "export_failed": 2})
+    m.trace_spans({"exported": 25, "pipe_full": 3, "export_failed": 2})
+    m.trace_spans({"exported": 25, "pipe_full": 3, "export_failed": 2})
+    text = m.render().decode()
+    assert "specgate_trace_spans_exported_total 25.0" in text
+    assert 'specgate_trace_spans_dropped_total{reason="pipe_full"} 3.0' in text
+    assert 'specgate_trace_spans_dropped_total{reason="export_failed"} 2.0' in text
+    assert 'specgate_trace_spans_dropped_total{reason="queue_full"} 0.0' in text  # every reason, from the start
+
+
+def test_every_drop_reason_has_its_series() -> None:
+    from gateway.observability.trace_pipe import PIPE_LOST, REPORT_FIELDS
+
+    assert set(TRACE_DROP_REASONS) == set(PIPE_LOST) | set(REPORT_FIELDS[1:])
 
 
 def test_encoder_writes_what_protobuf_reads() -> None:
