@@ -11,10 +11,11 @@ so does the CPU of the processes it started (a tracing gateway's export process)
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -32,6 +33,31 @@ class Turns(Generic[R]):
     samples: dict[str, list[R]]  # per target, one per round
     cpu_us: dict[str, float]  # per target: its process's CPU microseconds per request (where /proc tells)
     ratios: dict[str, float]  # per target: median over the rounds of its req/s over the first target's
+    # per target: the 90% interval of that median (``median_interval``): what the rounds settle
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+LEVEL = 0.90
+
+
+def median_interval(values: list[float], level: float = LEVEL) -> tuple[float, float]:
+    """A distribution-free interval for the median of what ``values`` were drawn from: the order statistics
+    ``(j, n - j + 1)`` with the largest ``j`` whose coverage, 1 - 2 P(Binomial(n, 1/2) < j), is still ``level``
+    (five values: their least and greatest, 94%; fewer than five cover less than ``level``). Rounds are taken as
+    independent draws: a drift that spans rounds slows every target of a round alike and so leaves the within-round
+    ratio alone."""
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        return (math.nan, math.nan)
+    tail = 1 / 2**n  # P(X < j + 1) for X ~ Binomial(n, 1/2): order statistic j (0-based) covers 1 - 2 tail
+    j = 0
+    while j + 1 <= (n - 1) // 2:
+        further = tail + math.comb(n, j + 1) / 2**n
+        if 1 - 2 * further < level:
+            break
+        tail, j = further, j + 1
+    return (v[j], v[n - 1 - j])
 
 
 def settle(
@@ -114,5 +140,6 @@ def in_turns(urls: dict[str, str], rounds: int, pids: dict[str, int], measure: C
             for target, rps in got.items():
                 per_round[target].append(rps / got[first])
     ratios = {t: sorted(v)[len(v) // 2] for t, v in per_round.items() if v}
+    intervals = {t: median_interval(v) for t, v in per_round.items() if v}
     cpu_us = {t: cpu[t] / done[t] * 1e6 for t in urls if done[t] > 0 and cpu[t] > 0}
-    return Turns(samples, cpu_us, ratios)
+    return Turns(samples, cpu_us, ratios, intervals)

@@ -111,3 +111,16 @@ def test_the_table_shows_each_process_cpu_per_request_where_measured() -> None:
     assert row["specgate"].endswith("252us")
     assert row["minimal-aiohttp"].endswith("210us")
     assert not row["direct"].endswith("us")
+
+
+def test_a_tracing_ratio_is_judged_by_its_interval() -> None:
+    from gateway.bench.overhead import OverheadRow, WrkResult, render
+
+    r = {t: WrkResult(1000.0, 0.001, 0.002, 0) for t in ("direct", "minimal-aiohttp", "specgate", "specgate-trace100",
+                                                         "specgate-trace10")}  # fmt: skip
+    ratios = {"specgate-trace100": 0.9, "specgate-trace10": 0.97}
+    intervals = {"specgate-trace100": (0.86, 0.93), "specgate-trace10": (0.93, 1.0)}
+    text = render([OverheadRow("json", 32, r, {}, ratios, intervals)])
+    assert "(specgate-trace100, json)" in text
+    assert "0.90, 90% interval 0.86-0.93 (target >= 0.85): met" in text
+    assert "0.97, 90% interval 0.93-1.00 (target >= 0.95): undecided" in text

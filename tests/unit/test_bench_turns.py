@@ -87,3 +87,23 @@ def test_cpu_counts_the_processes_a_target_started() -> None:
             os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+def test_the_median_interval_is_the_order_statistics_of_its_coverage() -> None:
+    """Five rounds: the least and greatest (94%); forty rounds: the 15th and 26th of them (1 - 2 P(X < 15) = 0.919
+    for X ~ Binomial(40, 1/2); the 16th would cover only 0.846); one wild round moves neither end."""
+    from gateway.bench.turns import median_interval
+
+    assert median_interval([0.9, 1.1, 1.0, 0.8, 1.2]) == (0.8, 1.2)
+    values = [i / 100 for i in range(80, 120)]  # 0.80 .. 1.19
+    assert median_interval(values) == (0.94, 1.05)
+    values[0] = 0.01
+    assert median_interval(values) == (0.94, 1.05)
+    assert median_interval([1.0]) == (1.0, 1.0)
+
+
+def test_in_turns_gives_each_ratio_its_interval() -> None:
+    got = in_turns(
+        {"a": "a", "b": "b"}, 5, {t: os.getpid() for t in "ab"}, lambda u: Result(100.0 if u == "a" else 95.0)
+    )
+    assert got.intervals["b"] == (0.95, 0.95)
