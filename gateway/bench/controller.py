@@ -402,7 +402,7 @@ def bench_controller(
             gw_rules = with_admission(scaled_rules(stand_in_rules(rules, ports), time_scale), max_num_seqs, admission)
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
             port = free_port()
-            cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
+            cmd = [sys.executable, "-P", "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "warning", "--admin-port", "0"]
             gw = subprocess.Popen(cmd)
             wait_for_port(port, timeout_s=60)

@@ -50,7 +50,7 @@ def _physics_args(setup: Setup, method: str | None) -> list[str]:
 
 def sim_command(setup: Setup, pool: dict[str, Any], port: int, seed: int) -> list[str]:
     model = pool["models"][0]
-    cmd = [sys.executable, "-m", "gateway", "sim", model, "--port", str(port), "--preset", PRESET]
+    cmd = [sys.executable, "-P", "-m", "gateway", "sim", model, "--port", str(port), "--preset", PRESET]
     cmd += ["--time-scale", str(setup.time_scale), "--max-num-seqs", str(setup.max_num_seqs), "--seed", str(seed)]
     cmd += ["--output-len-median", str(setup.output_median), "--output-len-sigma", str(setup.output_sigma)]
     for m in pool["models"]:
@@ -217,7 +217,7 @@ def running_fleet(
             else:
                 path = Path(tmp) / "rules.yaml"
                 path.write_text(yaml.safe_dump(bench_rules(rules, ports, setup), sort_keys=False))
-                cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(front_port)]
+                cmd = [sys.executable, "-P", "-m", "gateway", "serve", "--rules", str(path), "--port", str(front_port)]
                 cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "error", "--admin-port", "0"]
                 if setup.gateway_workers > 1:  # without Redis: each process its own state, as replicas would be
                     cmd += ["--workers", str(setup.gateway_workers), "--per-worker-state"]

@@ -271,6 +271,7 @@ def bench_overhead(
                 procs[name] = stack.enter_context(_process(cmd, ports[name])).pid
             gw_cmd = [
                 py,
+                "-P",  # not the working directory first: PYTHONPATH picks the tree (an A/B of two trees)
                 "-m",
                 "gateway",
                 "serve",

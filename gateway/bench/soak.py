@@ -340,7 +340,7 @@ def run_soak(cfg: SoakConfig) -> Report:
             path = Path(tmp) / "rules.yaml"
             path.write_text(yaml.safe_dump(gw_rules, sort_keys=False))
             port = free_port()
-            cmd = [sys.executable, "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
+            cmd = [sys.executable, "-P", "-m", "gateway", "serve", "--rules", str(path), "--port", str(port)]
             # info: the access log (one line per request) is the gateway's side of the per-request check
             cmd += ["--host", "127.0.0.1", "--health-interval", "0.5", "--log-level", "info", "--admin-port", "0"]
             if redis is not None:

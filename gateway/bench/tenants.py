@@ -220,7 +220,7 @@ def bench_tenants(
 ) -> TenantsRun:
     sim_port, gw_port = free_port(), free_port()
     py = sys.executable
-    sim_cmd = [py, "-m", "gateway", "sim", MODEL, "--port", str(sim_port), "--time-scale", str(time_scale)]
+    sim_cmd = [py, "-P", "-m", "gateway", "sim", MODEL, "--port", str(sim_port), "--time-scale", str(time_scale)]
     sim_cmd += ["--max-num-seqs", str(max_num_seqs), "--output-len-median", str(output_len), "--seed", str(seed)]
     # The simulator schedules by the body's priority as vLLM's --scheduling-policy priority does; the pool is marked
     # so, and the gateway sends each tenant's priority.
@@ -237,7 +237,7 @@ def bench_tenants(
 
             def start_gateway(flood_rpm: int) -> subprocess.Popen[bytes]:
                 tenants.write_text(yaml.safe_dump(tenants_yaml(flood_rpm, steady_weight, wait_s), sort_keys=False))
-                cmd = [py, "-m", "gateway", "serve", "--rules", str(rules), "--port", str(gw_port)]
+                cmd = [py, "-P", "-m", "gateway", "serve", "--rules", str(rules), "--port", str(gw_port)]
                 cmd += ["--host", "127.0.0.1", "--tenants-file", str(tenants), "--log-level", "warning"]
                 cmd += ["--admin-port", "0", "--health-interval", "0.5"]
                 proc = subprocess.Popen(cmd)
