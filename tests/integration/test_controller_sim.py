@@ -24,7 +24,7 @@ from gateway.admin.app import create_admin_app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
-from tests.conftest import ADMIN_AUTH, MODEL, RedisServer, Served, ServerThread, rules_for, static_routes
+from tests.conftest import ADMIN_AUTH, MODEL, RedisServer, Served, ServerThread, poll, rules_for, static_routes
 
 pytestmark = pytest.mark.integration
 
@@ -142,15 +142,6 @@ def explain(admin_url: str) -> dict[str, Any]:
     return out
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 class Watcher:
     """Polls ``specgate_class_route_state`` every 50 ms and keeps the moments (since ``t0``) the state changed."""
 
@@ -196,7 +187,7 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
             answers = [httpx.get(f"{admin_url}/admin/state", headers=ADMIN_AUTH).json() for _ in range(8)]
             return {a["cluster"]["role"] for a in answers}
 
-        assert wait_for(lambda: roles() == {"leader", "follower"}, 20.0), roles()  # each worker answered
+        assert poll(lambda: roles() == {"leader", "follower"}, 20.0), roles()  # each worker answered
     load = Load(url)
     t0 = time.monotonic()
     watcher = Watcher(url, t0)
@@ -213,7 +204,7 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
             assert [s["pool"] for s in calm["plan"]["steps"]][:2] == ["spec", "std"]
             high_at = time.monotonic() - t0
             load.level = HIGH
-            moved_off = wait_for(lambda: ("speculative", "split", "load") in transitions(url), 4.0 * workers)
+            moved_off = poll(lambda: ("speculative", "split", "load") in transitions(url), 4.0 * workers)
             off_at = time.monotonic() - t0
             assert moved_off, transitions(url)
             busy = explain(admin_url)  # the controller's state, the delays it compared, and this draw's plan
@@ -227,14 +218,14 @@ def test_a_load_step_moves_the_class_off_the_speculative_pool_and_back(
             time.sleep(max(0.0, high_at + 4.0 - off_at))  # the rest of 4 s of high load
             low_at = time.monotonic() - t0
             load.level = LOW
-            back = wait_for(lambda: route_state(url).get("speculative") == 1.0, 8.0 * workers)
+            back = poll(lambda: route_state(url).get("speculative") == 1.0, 8.0 * workers)
             assert back, transitions(url)
             # the queues the step built drain first; while they do the comparison is a real one and the class may
             # step off and back once more. The claim is that at low load, drained, it then stays home.
-            drained = wait_for(lambda: queued(spec) + queued(std) == 0 and route_state(url) == HOME, 10.0 * workers)
+            drained = poll(lambda: queued(spec) + queued(std) == 0 and route_state(url) == HOME, 10.0 * workers)
             assert drained, (queued(spec), queued(std), route_state(url), transitions(url))
             time.sleep(1.0)  # one controller window on the drained pools
-            assert wait_for(lambda: route_state(url) == HOME, 5.0 * workers), transitions(url)
+            assert poll(lambda: route_state(url) == HOME, 5.0 * workers), transitions(url)
             settled = transitions(url)
             time.sleep(2.0)  # low load again: the class stays on the speculative pool
             assert transitions(url) == settled

@@ -29,7 +29,7 @@ from gateway.cli.main import app
 from gateway.sim.app import SimOptions
 from gateway.sim.server import SimServer
 from gateway.sim.wire import OutputLengths
-from tests.conftest import MODEL, ServerThread, rules_for
+from tests.conftest import MODEL, ServerThread, poll, rules_for
 
 pytestmark = pytest.mark.integration
 
@@ -144,15 +144,6 @@ def gateway_transitions(url: str) -> float:
     )
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_baseline_and_weekly_report_against_a_real_prometheus(
     sims: tuple[SimServer, SimServer], gateway: Callable[..., ServerThread], tmp_path: Path
 ) -> None:
@@ -170,7 +161,7 @@ def test_baseline_and_weekly_report_against_a_real_prometheus(
     )
     try:
         prom.wait_ready()
-        assert wait_for(lambda: prom.value('count(up{job="vllm"} == 1)') == 2.0, 10), "targets never came up"
+        assert poll(lambda: prom.value('count(up{job="vllm"} == 1)') == 2.0, 10), "targets never came up"
 
         # Phase 1: the baseline, measured through the gateway
         baseline_file = tmp_path / "baseline_metrics.json"
@@ -214,10 +205,10 @@ def test_baseline_and_weekly_report_against_a_real_prometheus(
                 answers += list(pool.map(lambda b: http.post(f"{gw.url}/v1/chat/completions", json=b), bodies))
                 time.sleep(0.25)
         assert all(a.status_code == 200 for a in answers)
-        assert wait_for(lambda: gateway_transitions(gw.url) >= 1, 5), "the acceptance guard never tripped"
+        assert poll(lambda: gateway_transitions(gw.url) >= 1, 5), "the acceptance guard never tripped"
         expected = gateway_transitions(gw.url)
         # Prometheus has seen the transitions and the drafts
-        assert wait_for(
+        assert poll(
             lambda: (
                 prom.value("sum(specgate_controller_transitions_total)") == expected
                 and (prom.value("sum(specgate_class_draft_tokens_total)") or 0) > 0
