@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import poll
+from tests.conftest import closed_port_url, poll
 
 pytest.importorskip("grpc")
 pytest.importorskip("opentelemetry.sdk")
@@ -60,7 +60,7 @@ def test_shutdown_sends_what_is_waiting(receiver: tuple[Receiver, str], monkeypa
 
 
 def test_spans_a_collector_never_took_are_counted_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nobody listens there
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", closed_port_url())
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
@@ -84,7 +84,7 @@ def test_the_export_process_dies_with_the_gateway(tmp_path: Path) -> None:
         "time.sleep(600)\n"
     )
     gateway = subprocess.Popen(
-        [sys.executable, "-c", script, "http://127.0.0.1:9"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", script, closed_port_url()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     )
     try:
         assert gateway.stdout is not None
