@@ -58,6 +58,7 @@ TARGETS = ("direct", "minimal-httpx", "minimal-aiohttp", "specgate")
 # sink (gateway.bench.otlp_sink) on the same machine.
 TRACED = {"specgate-trace100": "1.0", "specgate-trace10": "0.1"}
 TARGET_TRACED_RATIO = {"specgate-trace100": 0.85, "specgate-trace10": 0.95}  # req/s vs specgate, 32 connections
+TRACED_COPIES = 2  # gateway processes per target measured in turns (``turns.in_turns``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class OverheadRow:
     # With --tracing: each traced target's req/s ratio to specgate, the median of the interleaved rounds' ratios
     ratios: dict[str, float] = field(default_factory=dict)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # of ``ratios``: 90%, over the rounds
+    copies: int = 1  # processes per gateway measured in turns
 
     def added_ms(self, target: str, pct: str = "p50") -> float:
         base, r = self.results["direct"], self.results[target]
@@ -205,11 +207,12 @@ class Interleaved:
 
 
 def _interleaved(
-    tool: str, urls: dict[str, str], work: Workload, connections: int, rounds: int, pids: dict[str, int]
+    tool: str, urls: dict[str, list[str]], work: Workload, connections: int, rounds: int, pids: dict[str, list[int]]
 ) -> Interleaved:
-    """``urls``' targets measured in turns (``gateway.bench.turns``)."""
-    for url in urls.values():
-        run_tool(tool, url, work, connections, 1)  # warm
+    """``urls``' targets (each served by one or more processes) measured in turns (``gateway.bench.turns``)."""
+    for processes in urls.values():
+        for url in processes:
+            run_tool(tool, url, work, connections, 1)  # warm
     got = in_turns(urls, rounds, pids, lambda url: run_tool(tool, url, work, connections, 1))
     results = {}
     for target, rs in got.samples.items():
@@ -231,9 +234,11 @@ def bench_overhead(
     tool: str = "wrk",
     tracing: bool = False,
     epp: bool = True,
+    copies: int = TRACED_COPIES,
 ) -> tuple[list[OverheadRow], StreamCost]:
     """Measure every target at every connection count, non-streaming then streaming, with ``tool`` (``load_tool``);
-    ``tracing``: the ``TRACED`` targets too, measured interleaved with ``specgate`` (``_interleaved``); ``epp``
+    ``tracing``: the ``TRACED`` targets too, measured interleaved with ``specgate`` (``_interleaved``), each of the
+    three served by ``copies`` identical gateway processes (``turns.in_turns``); ``epp``
     (where Envoy and the epp extra are here, ``epp_skipped``): Envoy alone and Envoy + ``specgate epp``,
     non-streaming."""
     rows: list[OverheadRow] = []
@@ -284,16 +289,27 @@ def bench_overhead(
                 "--port",
                 str(ports["specgate"]),
             ]  # fmt: skip (no admin listener: 8081 may be taken)
-            pids = {"specgate": stack.enter_context(_process(gw_cmd, ports["specgate"])).pid}
-            procs.update(pids)
+            procs["specgate"] = stack.enter_context(_process(gw_cmd, ports["specgate"])).pid
+            # with tracing: each of the gateways measured in turns, as ``copies`` processes (the first is the one
+            # in ``ports`` / ``procs``)
+            turn_ports: dict[str, list[int]] = {"specgate": [ports["specgate"]]}
+            pids: dict[str, list[int]] = {"specgate": [procs["specgate"]]}
             if tracing:
                 sink = free_port()
                 stack.enter_context(_process([py, "-m", "gateway.bench.otlp_sink", "--port", str(sink)], sink))
+                for _ in range(copies - 1):
+                    port = free_port()
+                    pids["specgate"].append(stack.enter_context(_process([*gw_cmd[:-1], str(port)], port)).pid)
+                    turn_ports["specgate"].append(port)
                 for name, ratio in TRACED.items():
                     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
                     env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
-                    cmd = [*gw_cmd[:-1], str(ports[name]), "--tracing"]
-                    pids[name] = stack.enter_context(_process(cmd, ports[name], env)).pid
+                    turn_ports[name], pids[name] = [], []
+                    for k in range(copies):
+                        port = ports[name] if k == 0 else free_port()
+                        cmd = [*gw_cmd[:-1], str(port), "--tracing"]
+                        pids[name].append(stack.enter_context(_process(cmd, port, env)).pid)
+                        turn_ports[name].append(port)
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
             if with_epp:
                 urls.update(stack.enter_context(start_epp_targets(d, rules, up_url, _process)))
@@ -313,11 +329,15 @@ def bench_overhead(
                     ratios: dict[str, float] = {}
                     intervals: dict[str, tuple[float, float]] = {}
                     if tracing:  # specgate with and without tracing: in turns, and their CPU per request
-                        group = {t: urls[t] + "/v1/chat/completions" for t in ("specgate", *TRACED)}
+                        group = {
+                            t: [f"http://127.0.0.1:{p}/v1/chat/completions" for p in turn_ports[t]]
+                            for t in ("specgate", *TRACED)
+                        }
                         turns = _interleaved(tool, group, scripts[mode], c, duration_s, pids)
                         results.update(turns.results)
                         cpu, ratios, intervals = turns.cpu_us, turns.ratios, turns.intervals
-                    rows.append(OverheadRow(mode, c, results, {**plain, **cpu}, ratios, intervals))
+                    n = copies if tracing else 1
+                    rows.append(OverheadRow(mode, c, results, {**plain, **cpu}, ratios, intervals, n))
             ttft50: dict[str, float] = {}
             ttft99: dict[str, float] = {}
             short: dict[str, float] = {}
@@ -421,8 +441,10 @@ def _targets(rows: list[OverheadRow], streams: StreamCost | None) -> list[str]:
                                f"the rounds' ratios): {ratio:.2f}, 90% interval {lo:.2f}-{hi:.2f} "
                                f"(target >= {least}): {said}{cost}")  # fmt: skip
     if any(name in r.results for r in rows for name in TRACED):
+        n = max(r.copies for r in rows)
         out.append("  (tracing: exported to a local OTLP sink that takes the bytes without decoding them; CPU is the "
-                   "gateway process's, all its threads and its export process, per request)")  # fmt: skip
+                   "gateway process's, all its threads and its export process, per request; each gateway measured "
+                   f"in turns ran as {n} identical process{'es' if n > 1 else ''}, one of each per round)")  # fmt: skip
     if streams is not None:
         v, m = streams.added_ttft_ms("specgate"), streams.added_ttft_ms("minimal-aiohttp")
         out.append(f"  added TTFT p50: {v:.2f} ms [{m:.2f}] (target <= {TARGET_ADDED_TTFT_MS} ms): "

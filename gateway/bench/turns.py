@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
@@ -116,21 +116,44 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def in_turns(urls: dict[str, str], rounds: int, pids: dict[str, int], measure: Callable[[str], R]) -> Turns[R]:
-    """``measure`` each of ``urls``' targets once per round, ``rounds`` rounds (module docstring)."""
+def replica(round_: int, position: int, copies: int) -> int:
+    """Which of a target's ``copies`` processes is measured in round ``round_`` (``position``: the target's place in
+    the targets' order): every combination of the targets' copies comes in turn, ``copies ** targets`` rounds a
+    cycle, so each ratio is taken between many pairs of processes, not one."""
+    return (round_ // int(copies**position)) % copies
+
+
+def in_turns(
+    urls: Mapping[str, str | Sequence[str]],
+    rounds: int,
+    pids: Mapping[str, int | Sequence[int]],
+    measure: Callable[[str], R],
+) -> Turns[R]:
+    """``measure`` each of ``urls``' targets once per round, ``rounds`` rounds (module docstring).
+
+    A target may be served by several identical processes (a sequence of urls, and of pids in the same order): one
+    of them is measured each round (``replica``). Two processes of one build differ in speed by a few percent (where
+    their objects landed in memory, their hash seeds), which more rounds of the same two processes never average
+    out; rounds spread over several processes per target do, and the ratio's interval then holds that spread."""
     samples: dict[str, list[R]] = {t: [] for t in urls}
     cpu: dict[str, float] = dict.fromkeys(urls, 0.0)
     done: dict[str, float] = dict.fromkeys(urls, 0.0)
     per_round: dict[str, list[float]] = {t: [] for t in urls}
-    order = list(urls.items())
-    first = order[0][0]
+    copies = {t: [u] if isinstance(u, str) else list(u) for t, u in urls.items()}
+    procs = {t: [p] if isinstance(p, int) else list(p) for t, p in pids.items()}
+    if any(len(procs[t]) != len(c) or not c for t, c in copies.items()):
+        raise ValueError("each target needs as many pids as urls, and at least one")
+    order = list(copies)
+    first = order[0]
     for i in range(rounds):
         got: dict[str, float] = {}
-        for target, url in order[i % len(order) :] + order[: i % len(order)]:
-            before = cpu_s(pids[target])
+        for target in order[i % len(order) :] + order[: i % len(order)]:
+            k = replica(i, order.index(target), len(copies[target]))
+            url, pid = copies[target][k], procs[target][k]
+            before = cpu_s(pid)
             r = measure(url)
-            settle(pids[target])
-            after = cpu_s(pids[target])
+            settle(pid)
+            after = cpu_s(pid)
             samples[target].append(r)
             got[target] = r.rps
             if before is not None and after is not None:

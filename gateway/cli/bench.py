@@ -34,6 +34,15 @@ def bench_overhead_cmd(
             "sink (needs specgate[tracing]).",
         ),
     ] = False,
+    copies: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=4,
+            help="With --tracing: gateway processes per measured gateway (plain, 100%, 10%), one of each in turn: "
+            "identical processes differ by a few percent, which more rounds of one pair never average out.",
+        ),
+    ] = 2,
     epp: Annotated[
         bool,
         typer.Option(
@@ -66,7 +75,7 @@ def bench_overhead_cmd(
                 "so compare the ratios; the targets are defined with wrk (Debian: apt-get install wrk)",
                 highlight=False,
             )
-        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing, epp=epp)
+        rows, streams = bench_overhead(conns, duration, tool=chosen, tracing=tracing, epp=epp, copies=copies)
     except (RuntimeError, ValueError) as exc:
         raise _fail(str(exc)) from exc
     out.print(f"load tool: {chosen}", highlight=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import orjson
@@ -104,8 +105,11 @@ async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Inco
         plan, max_attempts = sticky.plan or plan, 1 if sticky.pinned else max_attempts
     rec.route_reason = plan.reason
     extra.append(("x-specgate-route", plan.reason))
-    if trace is not None:
-        trace_decision(rt, trace, d, plan, body, decided_ns)
+    if trace is not None:  # the facts are written now for a sampled trace, else only if the tail decision keeps it
+        trace.decided(
+            plan.pools[0] if plan.pools else None,
+            partial(trace_decision, rt, d, plan, body, decided_ns, time.time_ns()),  # no reference to the trace
+        )
     if d.klass is not None and d.klass.require_idempotency_key and idempotency_key is None:
         raise BadRequest(
             f"requests of class {d.traffic_class!r} need an Idempotency-Key header", code="idempotency_key_required"
@@ -190,9 +194,10 @@ def _affinity_on(pools: Mapping[str, PoolState], planned: tuple[str, ...]) -> bo
 
 
 def trace_decision(
-    rt: Runtime, trace: RequestTrace, d: Decision, plan: Plan, body: Mapping[str, Any], start_ns: int
+    rt: Runtime, d: Decision, plan: Plan, body: Mapping[str, Any], start_ns: int, end_ns: int, trace: RequestTrace
 ) -> None:
-    """The request's sampling parameters and the routing decision, on its trace (tracing on only)."""
+    """The request's sampling parameters and the routing decision (made from ``start_ns`` to ``end_ns``), on its
+    trace (tracing on only; ``RequestTrace.decided`` says when)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
     trace.request(body.get("model"), body.get("temperature"), max_tokens, d.stream)
     trace.route(
@@ -203,6 +208,7 @@ def trace_decision(
         reason=plan.reason,
         choice=d.choice,
         expected=rt.routing.expected_s if d.choice is not None else (),  # asked only of a trace that is written
+        end_ns=end_ns,
     )
 
 

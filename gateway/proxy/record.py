@@ -93,7 +93,7 @@ class RequestRecord:
         spec = self.spec
         trace = self.trace
         if trace is not None:
-            exported = trace.finish(
+            exported = trace.kept(outcome, len(self.attempts), pool) and trace.finish(
                 status=self.status,
                 outcome=outcome,
                 pool=pool,

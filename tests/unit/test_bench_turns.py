@@ -10,6 +10,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from gateway.bench import turns
 from gateway.bench.turns import in_turns
 
@@ -107,3 +109,34 @@ def test_in_turns_gives_each_ratio_its_interval() -> None:
         {"a": "a", "b": "b"}, 5, {t: os.getpid() for t in "ab"}, lambda u: Result(100.0 if u == "a" else 95.0)
     )
     assert got.intervals["b"] == (0.95, 0.95)
+
+
+def test_every_combination_of_the_targets_processes_comes_in_turn() -> None:
+    """Two processes per target: over copies ** targets rounds each combination is measured once, so a ratio is
+    not the speed of one pair of processes."""
+    seen = {tuple(turns.replica(i, p, 2) for p in range(3)) for i in range(8)}
+    assert len(seen) == 8
+    assert [turns.replica(i, 0, 1) for i in range(4)] == [0, 0, 0, 0]
+
+
+def test_in_turns_measures_each_targets_processes_in_turn() -> None:
+    """One process of the second target is 10% slower: the ratio's median falls between the two pairs' ratios and
+    its interval holds both, where a single pair would have given one of them with a narrow interval."""
+    speed = {"a0": 100.0, "a1": 100.0, "b0": 100.0, "b1": 90.0}
+    calls: list[str] = []
+
+    def measure(url: str) -> Result:
+        calls.append(url)
+        return Result(speed[url])
+
+    pid = os.getpid()
+    got = in_turns({"a": ["a0", "a1"], "b": ["b0", "b1"]}, 8, {"a": [pid, pid], "b": [pid, pid]}, measure)
+    assert calls[:8] == ["a0", "b0", "b0", "a1", "a0", "b1", "b1", "a1"]  # a alternates each round, b every two
+    assert sorted(calls) == sorted(["a0", "a1", "b0", "b1"] * 4)
+    assert got.intervals["b"] == (0.9, 1.0)
+    assert len(got.samples["b"]) == 8
+
+
+def test_in_turns_refuses_urls_without_their_pids() -> None:
+    with pytest.raises(ValueError, match="as many pids as urls"):
+        in_turns({"a": ["a0", "a1"]}, 1, {"a": [os.getpid()]}, lambda u: Result(1.0))

@@ -418,3 +418,59 @@ def test_a_trace_that_cannot_be_written_is_dropped_alone() -> None:
     assert {s.trace_id.hex() for s in spans} == {good}
     assert tracing.exporter.dropped == 3  # server, admission, route of the broken one
     tracing.shutdown()
+
+
+def _decision(calls: list[Any], start_ns: int, end_ns: int) -> Any:
+    """What the request path hands ``RequestTrace.decided``: a writer of the decision's facts onto a given trace."""
+
+    def write(trace: Any) -> None:
+        calls.append(trace)
+        trace.request("m", 0.5, 7, False)
+        trace.route(start_ns, traffic_class="c", task_type="chat", plan=("a", "b"), reason="preferred",
+                    end_ns=end_ns)  # fmt: skip
+
+    return write
+
+
+def _end(trace: Any, pool: str, outcome: str = "ok") -> bool:
+    headers: dict[str, str] = {}
+    span = trace.send_attempt(headers, [], pool, "speculative", f"{pool}-0", "http://10.0.0.1:8000", None)
+    trace.attempt_answered(span, 200, 0.01)
+    kept = trace.kept(outcome, 1, pool)
+    exported = trace.finish(status=200, outcome=outcome, pool=pool, endpoint=f"{pool}-0", attempts=1, commit_s=None,
+                            accepted=None, drafted=None, idempotency=None)  # fmt: skip
+    assert kept is exported  # the cheap check the request path makes first agrees with the decision itself
+    return exported
+
+
+def test_an_unsampled_trace_writes_its_decision_only_when_kept() -> None:
+    """Most requests are neither sampled nor kept: their decision's facts are never read. One the tail decision keeps
+    (here its one attempt went to another pool than planned) gets them, with the decision's own timestamps."""
+    tracing, sent = _tracing("0")
+    calls: list[Any] = []
+    quiet = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    quiet.decided("a", _decision(calls, 10, 20))
+    assert not _end(quiet, "a")
+    assert calls == []
+    moved = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    moved.decided("a", _decision(calls, 1_000, 2_000))
+    assert _end(moved, "b")  # planned "a", answered by "b": a fallback
+    assert calls == [moved]
+    (route,) = [s for s in _exported(tracing, sent) if s.name == "specgate.route"]
+    assert (route.start_time_unix_nano, route.end_time_unix_nano) == (1_000, 2_000)
+    assert route.trace_id.hex() == moved.trace_id
+    failed = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    failed.decided("a", _decision(calls, 1, 2))
+    assert _end(failed, "a", outcome="upstream_error")
+    assert calls[-1] is failed
+
+
+def test_a_sampled_trace_writes_its_decision_at_once() -> None:
+    tracing, _ = _tracing("1")
+    calls: list[Any] = []
+    trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    trace.decided("a", _decision(calls, 5, 6))
+    assert calls == [trace]
+    assert trace.params == ("m", 0.5, 7, False)
+    assert _end(trace, "a")
+    assert calls == [trace]  # once
