@@ -290,24 +290,20 @@ def bench_overhead(
                 str(ports["specgate"]),
             ]  # fmt: skip (no admin listener: 8081 may be taken)
             procs["specgate"] = stack.enter_context(_process(gw_cmd, ports["specgate"])).pid
-            # with tracing: each of the gateways measured in turns, as ``copies`` processes (the first is the one
-            # in ``ports`` / ``procs``)
-            turn_ports: dict[str, list[int]] = {"specgate": [ports["specgate"]]}
+            turn_ports: dict[str, list[int]] = {"specgate": [ports["specgate"]]}  # with tracing: every copy's
             pids: dict[str, list[int]] = {"specgate": [procs["specgate"]]}
             if tracing:
                 sink = free_port()
                 stack.enter_context(_process([py, "-m", "gateway.bench.otlp_sink", "--port", str(sink)], sink))
-                for _ in range(copies - 1):
-                    port = free_port()
-                    pids["specgate"].append(stack.enter_context(_process([*gw_cmd[:-1], str(port)], port)).pid)
-                    turn_ports["specgate"].append(port)
-                for name, ratio in TRACED.items():
+                for name in ("specgate", *TRACED):  # ``copies`` processes each, the first on ``ports[name]``
                     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
-                    env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=ratio)
-                    turn_ports[name], pids[name] = [], []
-                    for k in range(copies):
+                    if name in TRACED:
+                        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=TRACED[name])
+                    turn_ports.setdefault(name, [])
+                    pids.setdefault(name, [])
+                    for k in range(len(turn_ports[name]), copies):
                         port = ports[name] if k == 0 else free_port()
-                        cmd = [*gw_cmd[:-1], str(port), "--tracing"]
+                        cmd = [*gw_cmd[:-1], str(port)] + (["--tracing"] if name in TRACED else [])
                         pids[name].append(stack.enter_context(_process(cmd, port, env)).pid)
                         turn_ports[name].append(port)
             urls = {"direct": up_url, **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}

@@ -365,6 +365,31 @@ assert not loaded, loaded
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_the_gateway_process_leaves_grpc_to_its_export_process() -> None:
+    """With tracing on, the gateway's own process only checks that gRPC is installed: the export process is the
+    one that imports it (about 10 MB of memory per gateway process otherwise)."""
+    code = """
+import sys
+from gateway.observability.tracing import Tracing
+t = Tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+t.shutdown()
+assert "grpc" not in sys.modules, "grpc imported"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_tracing_without_grpc_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from gateway.observability import tracing as tracing_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "grpc" else real(name, *a))
+    with pytest.raises(tracing_module.TracingUnavailable, match=r"specgate\[tracing\]"):
+        Tracing({})
+
+
 @pytest.mark.parametrize("ratio", ["0", "1"])
 def test_exemplars_name_exported_traces_only(ratio: str) -> None:
     """A finished request's trace id is in its access log line either way, and an exemplar on the latency
