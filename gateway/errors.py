@@ -39,6 +39,7 @@ only their kind (``UpstreamError.brief``); ``message`` goes to the log line, whi
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 
@@ -88,6 +89,18 @@ class InvalidJSON(BadRequest):
 
 class InvalidParameter(BadRequest):
     default_code = "invalid_value"
+
+
+def finite_number(value: str | float, param: str, message: str) -> float:
+    """``value`` as a finite float, else ``InvalidParameter(message)`` naming ``param``: a string that is not a
+    number, an int too large for a float, NaN and the infinities are all refused alike."""
+    try:
+        f = float(value)
+    except (ValueError, OverflowError):
+        f = math.nan
+    if not math.isfinite(f):
+        raise InvalidParameter(message, param=param)
+    return f
 
 
 class Unauthorized(GatewayError):

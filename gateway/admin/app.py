@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -61,7 +60,7 @@ from gateway.admin.explain import DEFAULT_PATH, explain, load_numbers, route_dic
 from gateway.admin.openapi import openapi
 from gateway.admin.protocol import TOKEN_ENV
 from gateway.admin.ui import ui_routes
-from gateway.errors import Conflict, GatewayError, InvalidParameter, Unauthorized
+from gateway.errors import Conflict, GatewayError, InvalidParameter, Unauthorized, finite_number
 from gateway.proxy.http import exception_handlers, json_response, parse_object, read_request_body
 from gateway.proxy.wire import envelope
 from gateway.runtime.container import Runtime
@@ -310,13 +309,7 @@ def _query_number(request: Request, name: str) -> float | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise InvalidParameter(f"'{name}' must be a number, got {raw!r}", param=name)
-    return value
+    return finite_number(raw, name, f"'{name}' must be a number, got {raw!r}")
 
 
 async def get_audit(request: Request) -> Response:

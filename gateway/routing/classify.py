@@ -19,7 +19,7 @@ import re2
 # call it ``endpoint`` (OpenAI's word for its paths), which is not a pool's endpoint (``config.pool.Endpoint``).
 from gateway.config.base import ApiKind as ApiKind  # re-exported
 from gateway.config.schema import Conditions, Range, RoutingRules, TaskRule, TrafficClass, re2_options
-from gateway.errors import InvalidParameter
+from gateway.errors import InvalidParameter, finite_number
 from gateway.routing.responses_features import format_type, responses_inputs, responses_texts
 from gateway.routing.responses_features import reasoning_effort as _reasoning_effort
 
@@ -61,13 +61,7 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise InvalidParameter(f"'{key}' must be a number, got {type(v).__name__}", param=key)
-    try:
-        f = float(v)
-    except OverflowError:
-        f = math.inf
-    if not math.isfinite(f):
-        raise InvalidParameter(f"'{key}' must be a finite number", param=key)
-    return f
+    return finite_number(v, key, f"'{key}' must be a finite number")
 
 
 def _text_of(content: Any) -> str:
