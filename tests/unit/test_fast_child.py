@@ -78,3 +78,19 @@ def test_without_the_library_internals_it_falls_back_on_the_childs_methods() -> 
     Observing(observed).observe(0.5)
     assert counted.total == 3
     assert observed.seen == [0.5]
+
+
+def test_one_process_values_are_added_to_without_their_lock() -> None:
+    """The wrapped children are written on the event loop's thread only: the lock prometheus_client takes on every
+    update is left out (held here by someone else, the update still goes through, and the exposition reads it)."""
+    r = CollectorRegistry()
+    child = Counter("c", "c", ["p"], registry=r).labels("x")
+    h = Histogram("h", "h", ["p"], registry=r, buckets=(1, 2)).labels("x")
+    c, o = Counting(child), Observing(h)
+    with child._value._lock, h._sum._lock:
+        c.inc(2)
+        o.observe(1.5)
+    s = _samples(r)
+    assert s[("c_total", (("p", "x"),))] == 2
+    assert s[("h_sum", (("p", "x"),))] == 1.5
+    assert s[("h_bucket", (("le", "2.0"), ("p", "x")))] == 1
