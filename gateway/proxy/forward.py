@@ -75,6 +75,7 @@ class ProxyExchange:
         "clients",
         "committed",
         "job",
+        "loop",
         "metrics",
         "policy",
         "pools",
@@ -91,19 +92,20 @@ class ProxyExchange:
         access_log: AccessLog,
         rng: random.Random,
         policy: AttemptPolicy | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if policy is None:  # a private budget (tests); the gateway passes its process-wide one
             defaults = Defaults()
             policy = AttemptPolicy(lambda: defaults, metrics)
         self.job, self.pools, self.clients = job, pools, clients
         self.metrics, self.access_log, self.rng = metrics, access_log, rng
-        self.policy, self.committed = policy, False
+        self.policy, self.committed, self.loop = policy, False, loop
         self._opened = self._tap = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; the client's presence is watched beside it (gateway.proxy.presence).
         presence = self.presence = ClientPresence(
-            self.job, self.metrics, self.policy.client_send_timeout_s, scope, receive, send
+            self.job, self.metrics, self.policy.client_send_timeout_s, scope, receive, send, self.loop
         )
         out = presence.send  # the send deadline (gateway.proxy.stall)
         rec, claim = self.job.record, self.job.idempotency

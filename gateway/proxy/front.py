@@ -56,7 +56,7 @@ class Incoming:
 
     __slots__ = ("claim", "client_headers", "extra", "hdr", "keys", "receive", "record", "scope", "ticket")
 
-    def __init__(self, scope: Scope, receive: Receive, path: str) -> None:
+    def __init__(self, scope: Scope, receive: Receive, path: str, draw: Callable[[int], int] | None = None) -> None:
         self.scope = scope
         self.receive = receive
         self.client_headers = items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
@@ -68,7 +68,7 @@ class Incoming:
                     self.keys.append(v)
                 if k not in self.hdr:
                     self.hdr[k] = v
-        self.record = RequestRecord(request_id(self.hdr.get("x-request-id")), path)
+        self.record = RequestRecord(request_id(self.hdr.get("x-request-id"), draw), path)
         self.extra = [("x-request-id", self.record.request_id)]
         self.claim: KeyClaim | None = None
         self.ticket: Ticket | None = None
@@ -102,7 +102,7 @@ class ProxyRoute:
 async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) -> ASGIApp:
     """What answers this request to ``route``. A refusal is answered here (and recorded); a client gone while its
     body was read raises ``ClientDisconnect``, a bug raises (both recorded); ``serve`` renders those."""
-    req = Incoming(scope, receive, route.path)
+    req = Incoming(scope, receive, route.path, rt.ids.getrandbits)
     rec = req.record
     if rt.tracing is not None:  # tracing on (gateway.observability.tracing): the request's server span
         hdr = req.hdr
@@ -127,7 +127,7 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         rec.finish("gateway_error", rt.metrics, rt.access_log)
         raise
     if isinstance(got, ProxyJob):
-        return ProxyExchange(got, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts)
+        return ProxyExchange(got, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts, rt.loop)
     return got
 
 

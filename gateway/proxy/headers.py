@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 HOP_BY_HOP = frozenset(
     {
@@ -46,11 +46,14 @@ _UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 
-def request_id(incoming: str | None) -> str:
-    """The client's X-Request-Id when it is sane, else a new one."""
+def request_id(incoming: str | None, draw: Callable[[int], int] | None = None) -> str:
+    """The client's X-Request-Id when it is sane, else a new one: from ``draw`` (a ``random.Random``'s
+    ``getrandbits``, seeded from the system's randomness: a correlation id needs to be unique, not secret, and a
+    system call per request is dear in a sandboxed kernel), else from ``os.urandom`` (ids a client must not guess)."""
     if incoming and _REQUEST_ID_RE.fullmatch(incoming):
         return incoming
-    return f"{int.from_bytes(os.urandom(16), 'big') & _UUID4_CLEAR | _UUID4_SET:032x}"
+    bits = int.from_bytes(os.urandom(16), "big") if draw is None else draw(128)
+    return (bits & _UUID4_CLEAR | _UUID4_SET).to_bytes(16, "big").hex()
 
 
 def upstream_request_headers(

@@ -63,8 +63,13 @@ class ClientPresence:
         scope: Scope,
         receive: Receive,
         send: Send,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        task = asyncio.current_task()  # the request's work runs in the task that creates this
+        # the request's work runs in the task that creates this; ``loop``: the running one, when the caller knows it
+        # (Python 3.11 finds it with a getpid system call)
+        task = asyncio.current_task(loop) if loop is not None else None
+        if task is None:  # no loop given, or not the one serving now
+            task = asyncio.current_task()
         assert task is not None
         self._task: asyncio.Task[Any] | None = task
         self._job = job

@@ -72,6 +72,8 @@ class Runtime:
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
+        self.ids = random.Random()  # new request ids (``proxy.headers.request_id``), apart from the routing draws
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, from ``start`` (no lookup per request)
         # OpenTelemetry (--tracing): None when off, and then no request does any tracing work.
         self.tracing: Tracing | None = Tracing() if settings.tracing else None
         self.started_at = int(time.time())
@@ -90,23 +92,14 @@ class Runtime:
             limiter: RateLimiter = (
                 RedisRateLimiter.from_url(settings.redis_url) if settings.redis_url else MemoryRateLimiter()
             )
-            self.tenancy = Tenancy(
-                load_tenants_file(settings.tenants_file),
-                keys,
-                TenantMetrics(self.metrics.registry),
-                limiter,
-                settings.workers,
-            )
+            tenants = load_tenants_file(settings.tenants_file)
+            self.tenancy = Tenancy(tenants, keys, TenantMetrics(self.metrics.registry), limiter, settings.workers)
             self._key_digests = self.tenancy.key_digests
             self.tenants_reloader = TenantsReloader(settings.tenants_file, self.tenancy, keys, self._set_keys)
         token = (settings.metrics_token or "").strip()
         self._metrics_digest = hashlib.sha256(token.encode()).digest() if token else None
-        self.health = HealthChecker(
-            lambda: self.live.pools.values(),
-            self.metrics,
-            interval_s=settings.health_interval_s,
-            timeout_s=settings.health_timeout_s,
-        )
+        every, timeout = settings.health_interval_s, settings.health_timeout_s
+        self.health = HealthChecker(lambda: self.live.pools.values(), self.metrics, interval_s=every, timeout_s=timeout)
         # The attempt loop's process-wide part: the retry budget and outlier ejection (gateway.routing.attempts).
         self.attempts = AttemptPolicy(
             lambda: self.live.rules.defaults,
@@ -381,6 +374,7 @@ class Runtime:
         return True, "ok"
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         if not self.auth_enabled:
             logger.warning(
                 "client authentication is OFF: any client can use this gateway "

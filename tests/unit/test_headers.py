@@ -65,6 +65,21 @@ def test_request_id_kept_only_when_sane(incoming: str | None, kept: bool) -> Non
     assert 1 <= len(rid) <= 128
 
 
+def test_new_request_ids_are_version_4_uuids_from_either_source() -> None:
+    """From the runtime's generator (the request path) or from the system's randomness: 32 hex digits with the
+    version and variant bits of a random UUID, as ``uuid.uuid4().hex``, and none repeated."""
+    import random
+    import uuid
+
+    draw = random.Random(7).getrandbits
+    ids = [request_id(None, draw) for _ in range(500)] + [request_id(None) for _ in range(500)]
+    assert len(set(ids)) == len(ids)
+    for rid in ids:
+        u = uuid.UUID(hex=rid)
+        assert (u.version, u.variant, u.hex) == (4, uuid.RFC_4122, rid)
+    assert request_id("client-id", draw) == "client-id"
+
+
 def test_response_headers_drop_hop_by_hop_and_framing() -> None:
     upstream = [
         ("Content-Type", "application/json"),
