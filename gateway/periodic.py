@@ -1,5 +1,6 @@
 """The gateway's background loops: one step every interval, forever, where a bug in one step is logged and the
-loop goes on (a scrape, a health check or a file poll that raised once must not stop for good); and their end."""
+loop goes on (a scrape, a health check or a file poll that raised once must not stop for good); and their end.
+And calls to make a while later, many of them by one timer (``DelayedCalls``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
+from typing import Any
 
 
 def raise_if_cancelled() -> None:
@@ -59,3 +61,52 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
     for t in pending:
         with contextlib.suppress(asyncio.CancelledError):
             await t
+
+
+class DelayedCalls:
+    """Calls to make ``delay_s`` after each was added, unless it is discarded first, all made by one timer of
+    ``loop``: due the first ``delay_s`` after it is needed, then every half of it while any call waits (each call is
+    made between ``delay_s`` and 1.5 times that after it was added). With uvloop a timer of its own per call (a
+    timer handle and its libuv timer, made and closed again) costs more than a request's whole watch for its client,
+    which nearly every request discards before it is due."""
+
+    __slots__ = ("_handle", "_waiting", "delay_s", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay_s: float) -> None:
+        self.loop = loop
+        self.delay_s = delay_s
+        # key -> (when added, the call, its argument), in the order they came: oldest first
+        self._waiting: dict[Hashable, tuple[float, Callable[[Any], object], Any]] = {}
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, key: Hashable, call: Callable[[Any], object], arg: Any) -> None:
+        """``call(arg)`` ``delay_s`` from now, unless ``discard(key)`` comes first."""
+        self._waiting[key] = (self.loop.time(), call, arg)
+        if self._handle is None:
+            self._handle = self.loop.call_later(self.delay_s, self._tick)
+
+    def discard(self, key: Hashable) -> None:
+        self._waiting.pop(key, None)
+
+    def _tick(self) -> None:
+        self._handle = None
+        waiting = self._waiting
+        due = self.loop.time() - self.delay_s + min(0.001, self.delay_s / 10)  # a timer may fire a little early
+        try:
+            while waiting:
+                key = next(iter(waiting))
+                since, call, arg = waiting[key]
+                if since > due:
+                    break
+                del waiting[key]
+                call(arg)
+        finally:  # a call that raised (a bug: the loop logs it) leaves the others to the next tick
+            if waiting and not self.loop.is_closed():
+                self._handle = self.loop.call_later(self.delay_s / 2, self._tick)
+
+    def close(self) -> None:
+        """Make none of the waiting calls."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._waiting.clear()

@@ -15,6 +15,7 @@ pools, add a ``ProxyRoute`` to ``PROXY_ROUTES`` (and, when its body is classifie
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -33,10 +34,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.config.settings import Settings
 from gateway.errors import GatewayError
 from gateway.observability.metrics import CONTENT_TYPE, OPENMETRICS, OPENMETRICS_CONTENT_TYPE, multiprocess_dir
+from gateway.periodic import DelayedCalls
 from gateway.proxy.front import ProxyRoute, serve
 from gateway.proxy.headers import request_id
 from gateway.proxy.http import error_response, exception_handlers, json_response
 from gateway.proxy.intake import classified
+from gateway.proxy.presence import WATCH_AFTER_S
 from gateway.proxy.stall import remember_transport
 from gateway.proxy.stored_responses import CANCEL, DELETE, RETRIEVE
 from gateway.proxy.tokens import DETOKENIZE, TOKENIZE
@@ -193,11 +196,15 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> GatewayApp
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await rt.start()
+        rt.watch_starts = DelayedCalls(asyncio.get_running_loop(), WATCH_AFTER_S)
         if rt.tracing is not None:  # its export process (a process that never serves, a supervisor, starts none)
             rt.tracing.start_export()
         try:
             yield
         finally:
+            starts, rt.watch_starts = rt.watch_starts, None
+            if starts is not None:
+                starts.close()
             await rt.stop()
 
     routes = [

@@ -29,6 +29,7 @@ from gateway.fleet.pools import PoolState
 from gateway.fleet.upstream import PoolClient
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import GatewayMetrics
+from gateway.periodic import DelayedCalls
 from gateway.proxy.attempt_loop import Opened, open_upstream
 from gateway.proxy.headers import client_response_headers
 from gateway.proxy.http import error_response, is_bug
@@ -75,12 +76,12 @@ class ProxyExchange:
         "clients",
         "committed",
         "job",
-        "loop",
         "metrics",
         "policy",
         "pools",
         "presence",
         "rng",
+        "starts",
     )
 
     def __init__(
@@ -92,20 +93,20 @@ class ProxyExchange:
         access_log: AccessLog,
         rng: random.Random,
         policy: AttemptPolicy | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
+        starts: DelayedCalls | None = None,
     ) -> None:
         if policy is None:  # a private budget (tests); the gateway passes its process-wide one
             defaults = Defaults()
             policy = AttemptPolicy(lambda: defaults, metrics)
         self.job, self.pools, self.clients = job, pools, clients
         self.metrics, self.access_log, self.rng = metrics, access_log, rng
-        self.policy, self.committed, self.loop = policy, False, loop
+        self.policy, self.committed, self.starts = policy, False, starts
         self._opened = self._tap = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The work runs in this task; the client's presence is watched beside it (gateway.proxy.presence).
         presence = self.presence = ClientPresence(
-            self.job, self.metrics, self.policy.client_send_timeout_s, scope, receive, send, self.loop
+            self.job, self.metrics, self.policy.client_send_timeout_s, scope, receive, send, self.starts
         )
         out = presence.send  # the send deadline (gateway.proxy.stall)
         rec, claim = self.job.record, self.job.idempotency

@@ -127,7 +127,9 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
         rec.finish("gateway_error", rt.metrics, rt.access_log)
         raise
     if isinstance(got, ProxyJob):
-        return ProxyExchange(got, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts, rt.loop)
+        return ProxyExchange(
+            got, live.pools, live.clients, rt.metrics, rt.access_log, rt.rng, rt.attempts, rt.watch_starts
+        )
     return got
 
 

@@ -24,15 +24,17 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.observability.metrics import GatewayMetrics
+from gateway.periodic import DelayedCalls
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.stall import StallWatch, abort_client
 
 logger = logging.getLogger("specgate.forward")
 
-# How long a request runs before the gateway starts watching for its client's disconnect: the upper bound on how
-# late a disconnect cancels the upstream request. Most requests to a fast upstream are answered before, and a
-# watcher task costs a tenth of a request; a disconnect before it starts is still seen at once when it starts (the
-# server's receive() answers http.disconnect for a client already gone).
+# How long a request runs before the gateway starts watching for its client's disconnect (at most half as long
+# again: the serving loop starts the watches by one timer, ``periodic.DelayedCalls``): the bound on how late a
+# disconnect cancels the upstream request. Most requests to a fast upstream are answered before, and a watcher task
+# costs a tenth of a request; a disconnect before it starts is still seen at once when it starts (the server's
+# receive() answers http.disconnect for a client already gone).
 WATCH_AFTER_S = 0.05
 
 
@@ -48,6 +50,7 @@ class ClientPresence:
         "_metrics",
         "_scope",
         "_start",
+        "_starts",
         "_task",
         "_watcher",
         "gone",
@@ -63,13 +66,15 @@ class ClientPresence:
         scope: Scope,
         receive: Receive,
         send: Send,
-        loop: asyncio.AbstractEventLoop | None = None,
+        starts: DelayedCalls | None = None,
     ) -> None:
-        # the request's work runs in the task that creates this; ``loop``: the running one, when the caller knows it
-        # (Python 3.11 finds it with a getpid system call)
-        task = asyncio.current_task(loop) if loop is not None else None
-        if task is None:  # no loop given, or not the one serving now
+        # the request's work runs in the task that creates this; ``starts`` (of the serving loop, its delay
+        # ``WATCH_AFTER_S``) knows the running loop (Python 3.11 finds it with a getpid system call) and starts the
+        # watch, else a timer of this request's own does
+        task = asyncio.current_task(starts.loop) if starts is not None else None
+        if task is None:  # no starts given, or not of the loop serving now
             task = asyncio.current_task()
+            starts = None
         assert task is not None
         self._task: asyncio.Task[Any] | None = task
         self._job = job
@@ -81,8 +86,12 @@ class ClientPresence:
         self._detached = False  # a keyed request running on without its client, counted in job.detached
         self._watcher: asyncio.Task[None] | None = None
         self.stall = StallWatch(send, send_timeout, self._stalled)
-        # the task's loop (asking for the running loop costs a getpid system call)
-        self._start = task.get_loop().call_later(WATCH_AFTER_S, self._start_watch, receive)
+        self._starts = starts
+        self._start: asyncio.TimerHandle | None = None
+        if starts is not None:  # ``WATCH_AFTER_S`` later, by the loop's one timer for all of them
+            starts.add(self, self.start_watch, receive)
+        else:  # the task's loop (asking for the running loop costs a getpid system call)
+            self._start = task.get_loop().call_later(WATCH_AFTER_S, self.start_watch, receive)
 
     @property
     def send(self) -> Send:
@@ -96,7 +105,8 @@ class ClientPresence:
         and the request had no key to run on for, or was cut past the detached budget."""
         return self.gone and (self._job.idempotency is None or self._cut)
 
-    def _start_watch(self, receive: Receive) -> None:
+    def start_watch(self, receive: Receive) -> None:
+        """Watch the client from now on (``WATCH_AFTER_S`` after the request began)."""
         self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         self.stall.start()
 
@@ -141,7 +151,10 @@ class ClientPresence:
 
     def done(self) -> None:
         """Stop watching, give back the detached budget, and drop what holds the request (no cycle left for the GC)."""
-        self._start.cancel()
+        if self._starts is not None:
+            self._starts.discard(self)
+        elif self._start is not None:
+            self._start.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None

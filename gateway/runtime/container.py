@@ -36,7 +36,7 @@ from gateway.overrides.audit import AuditLog, AuditRecord
 from gateway.overrides.manager import OverrideManager
 from gateway.overrides.override import Override
 from gateway.overrides.store import build_override_store
-from gateway.periodic import cancel_and_wait, run_every
+from gateway.periodic import DelayedCalls, cancel_and_wait, run_every
 from gateway.routing import overload
 from gateway.routing.attempts import AttemptPolicy
 from gateway.routing.controller import Transition
@@ -73,7 +73,9 @@ class Runtime:
         self.access_log = AccessLog(enabled=settings.log_level in ("debug", "info"))
         self.rng = random.Random()
         self.ids = random.Random()  # new request ids (``proxy.headers.request_id``), apart from the routing draws
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, from ``start`` (no lookup per request)
+        # The clients' watches of the serving loop, started a while into a request (``proxy.presence``; the app's
+        # lifespan sets it up)
+        self.watch_starts: DelayedCalls | None = None
         # OpenTelemetry (--tracing): None when off, and then no request does any tracing work.
         self.tracing: Tracing | None = Tracing() if settings.tracing else None
         self.started_at = int(time.time())
@@ -374,7 +376,6 @@ class Runtime:
         return True, "ok"
 
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
         if not self.auth_enabled:
             logger.warning(
                 "client authentication is OFF: any client can use this gateway "

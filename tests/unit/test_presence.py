@@ -9,6 +9,7 @@ from typing import Any, cast
 from starlette.types import Message
 
 from gateway.observability.metrics import GatewayMetrics
+from gateway.periodic import DelayedCalls
 from gateway.proxy.idempotency import KeyClaim
 from gateway.proxy.job import ProxyJob
 from gateway.proxy.presence import WATCH_AFTER_S, ClientPresence
@@ -35,8 +36,11 @@ def _job(claim: KeyClaim | None = None, budget: DetachedBudget | None = None) ->
     )
 
 
-async def _run(job: ProxyJob, metrics: GatewayMetrics, *, last_send: bool = False) -> tuple[bool, ClientPresence]:
-    """A request's work that waits, with a client that leaves at once; whether its task was cancelled."""
+async def _run(
+    job: ProxyJob, metrics: GatewayMetrics, *, last_send: bool = False, starts: DelayedCalls | None = None
+) -> tuple[bool, ClientPresence]:
+    """A request's work that waits, with a client that leaves at once; whether its task was cancelled. ``starts``:
+    the serving loop's watch starts (the gateway's), else the presence's own timer."""
     left = asyncio.Event()
 
     async def receive() -> Message:
@@ -47,7 +51,7 @@ async def _run(job: ProxyJob, metrics: GatewayMetrics, *, last_send: bool = Fals
         pass
 
     async def work() -> ClientPresence:
-        presence = ClientPresence(job, metrics, lambda: 30.0, {}, receive, send)
+        presence = ClientPresence(job, metrics, lambda: 30.0, {}, receive, send, starts)
         presence.last_send = last_send
         try:
             await left.wait()
@@ -76,6 +80,32 @@ async def test_a_client_that_leaves_cancels_its_request() -> None:
     assert presence.ended_it()
     assert job.record.outcome == "client_disconnect"
     presence.done()
+
+
+async def test_the_loops_watch_starts_watch_the_client_as_its_own_timer_would() -> None:
+    starts = DelayedCalls(asyncio.get_running_loop(), WATCH_AFTER_S)
+    cancelled, presence = await _run(_job(), GatewayMetrics(), starts=starts)
+    assert cancelled
+    assert presence.gone
+    presence.done()
+    assert not starts._waiting
+    starts.close()
+
+
+async def test_a_request_done_before_its_watch_is_never_watched() -> None:
+    starts = DelayedCalls(asyncio.get_running_loop(), WATCH_AFTER_S)
+
+    async def receive() -> Message:
+        raise AssertionError("not watched")
+
+    async def send(message: Message) -> None:
+        pass
+
+    presence = ClientPresence(_job(), GatewayMetrics(), lambda: 30.0, {}, receive, send, starts)
+    presence.done()
+    await asyncio.sleep(WATCH_AFTER_S * 2)
+    assert presence._watcher is None
+    starts.close()
 
 
 async def test_a_keyed_request_runs_on_within_the_detached_budget_and_gives_it_back() -> None:
