@@ -65,23 +65,27 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
 
 class DelayedCalls:
     """Calls to make ``delay_s`` after each was added, unless it is discarded first, all made by one timer of
-    ``loop``: due the first ``delay_s`` after it is needed, then every half of it while any call waits (each call is
-    made between ``delay_s`` and 1.5 times that after it was added). With uvloop a timer of its own per call (a
-    timer handle and its libuv timer, made and closed again) costs more than a request's whole watch for its client,
-    which nearly every request discards before it is due."""
+    ``loop``: due the first ``delay_s`` after it is needed, then every ``tick_s`` (default: half the delay) while any
+    call waits, so each call is made between ``delay_s`` and ``delay_s + tick_s`` after it was added. With uvloop a
+    timer of its own per call (a timer handle and its libuv timer, made and closed again) costs more than a
+    request's whole watch for its client, or than its upstream deadline, which nearly every request discards before
+    it is due."""
 
-    __slots__ = ("_handle", "_waiting", "delay_s", "loop")
+    __slots__ = ("_handle", "_waiting", "delay_s", "loop", "tick_s")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, delay_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay_s: float, tick_s: float | None = None) -> None:
         self.loop = loop
         self.delay_s = delay_s
+        self.tick_s = delay_s / 2 if tick_s is None else tick_s
         # key -> (when added, the call, its argument), in the order they came: oldest first
         self._waiting: dict[Hashable, tuple[float, Callable[[Any], object], Any]] = {}
         self._handle: asyncio.TimerHandle | None = None
 
     def add(self, key: Hashable, call: Callable[[Any], object], arg: Any) -> None:
-        """``call(arg)`` ``delay_s`` from now, unless ``discard(key)`` comes first."""
-        self._waiting[key] = (self.loop.time(), call, arg)
+        """``call(arg)`` ``delay_s`` from now, unless ``discard(key)`` comes first (a key added again waits anew)."""
+        waiting = self._waiting
+        waiting.pop(key, None)  # to the end: the order stays the order of the times
+        waiting[key] = (self.loop.time(), call, arg)
         if self._handle is None:
             self._handle = self.loop.call_later(self.delay_s, self._tick)
 
@@ -91,7 +95,7 @@ class DelayedCalls:
     def _tick(self) -> None:
         self._handle = None
         waiting = self._waiting
-        due = self.loop.time() - self.delay_s + min(0.001, self.delay_s / 10)  # a timer may fire a little early
+        due = self.loop.time() - self.delay_s + min(0.001, self.tick_s / 10)  # a timer may fire a little early
         try:
             while waiting:
                 key = next(iter(waiting))
@@ -102,7 +106,7 @@ class DelayedCalls:
                 call(arg)
         finally:  # a call that raised (a bug: the loop logs it) leaves the others to the next tick
             if waiting and not self.loop.is_closed():
-                self._handle = self.loop.call_later(self.delay_s / 2, self._tick)
+                self._handle = self.loop.call_later(self.tick_s, self._tick)
 
     def close(self) -> None:
         """Make none of the waiting calls."""

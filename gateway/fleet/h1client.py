@@ -17,7 +17,8 @@ relay (``101``: never asked for; a final status outside 200–599) fails with ``
 No redirects, cookies, proxies, pipelining or HTTP/2. Errors are plain exceptions the caller maps
 (``gateway.fleet.upstream``): ``ConnectFailed`` (no connection could be made; its ``PoolExhausted``: no free pooled
 one in time), ``ConnectionBroken`` (the connection broke or the response was malformed) and ``TimeoutError`` (the
-request's total deadline passed).
+request's total deadline passed: ``total_s`` from the request's sending, checked by one timer for the pool, so up to
+a tenth of a second late).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from gateway.fleet.h1response import (
     PoolExhausted,
     ResponseTooLarge,
 )
+from gateway.periodic import DelayedCalls
 
 # A response head larger than this (all header lines together) is refused: a pool has no reason to send one.
 MAX_HEAD_BYTES = 2**16
@@ -75,7 +77,6 @@ class _Conn(asyncio.Protocol):
         self._head_bytes = 0
         self._header_fields = 0
         self._paused = False
-        self._timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -196,7 +197,7 @@ class _Conn(asyncio.Protocol):
         self.response._end()
 
     # ---- used by HostPool and H1Response ----
-    def start(self, response: H1Response, payload: list[bytes], deadline: float) -> None:
+    def start(self, response: H1Response, payload: list[bytes]) -> None:
         assert self.transport is not None
         self.response = response
         self._messages = 0
@@ -205,11 +206,10 @@ class _Conn(asyncio.Protocol):
         self._framed = True
         self._interim = False
         self.keep_alive = False
-        self._timer = self.loop.call_at(deadline, self._deadline_passed)
+        self.pool.deadlines.add(self, _Conn._deadline_passed, self)  # the pool's ``total_s`` from now
         self.transport.writelines(payload)
 
     def _deadline_passed(self) -> None:
-        self._timer = None
         if self.response is not None:
             self.response._fail(TimeoutError("the pool's total timeout passed before the response was complete"))
         self.abandon()
@@ -238,9 +238,7 @@ class _Conn(asyncio.Protocol):
 
     def finish(self, *, reusable: bool) -> None:
         """The response is done with: cancel the deadline and give the connection (or its slot) back."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.pool.deadlines.discard(self)
         self.response = None
         self.resume()
         self.pool.give_back(self, reusable and self.keep_alive and self.usable)
@@ -275,6 +273,9 @@ class HostPool:
         self.keepalive_s = keepalive_s
         self.max_body_bytes = max_body_bytes
         self.loop = asyncio.get_running_loop()
+        # Each request's total deadline, by one timer for the pool (``periodic.DelayedCalls``): at most a tenth of a
+        # second late (a hundredth of ``total_s`` when that is shorter), not a timer made and cancelled per request.
+        self.deadlines = DelayedCalls(self.loop, total_s, min(0.1, total_s / 100))
         self._slots = asyncio.Semaphore(limit)
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
@@ -285,12 +286,11 @@ class HostPool:
         """POST ``body`` to ``path`` (or send ``method``: GET) and wait for the response headers.
 
         Raises ConnectFailed, ConnectionBroken or TimeoutError. A cancelled wait closes the connection."""
-        deadline = self.loop.time() + self.total_s
         head = self._head(path, len(body), headers, method)
-        conn = await self._acquire()
+        conn = await self._acquire()  # bounded by ``acquire_s``; ``total_s`` counts from the request's sending
         response = H1Response(conn)
         try:
-            conn.start(response, [head, body], deadline)
+            conn.start(response, [head, body])
             await response._head
         except BaseException:
             response.close()
@@ -370,6 +370,7 @@ class HostPool:
     def close(self) -> None:
         """Close every connection, idle or busy (busy ones fail their response with ConnectionBroken)."""
         self.closed = True
+        self.deadlines.close()
         self._idle.clear()
         for conn in list(self._all):
             if conn.response is not None:
