@@ -23,6 +23,7 @@ from gateway.observability.metrics import TRACE_DROP_REASONS, GatewayMetrics
 from gateway.observability.trace_export import ExportConfig, TracingConfigError, head_sampler
 from gateway.observability.tracing import Tracing
 from gateway.routing.class_track import RouteChoice
+from tests.conftest import closed_port_url
 
 
 def test_default_sampler_is_parent_based_ratio_one() -> None:
@@ -371,11 +372,11 @@ def test_the_gateway_process_leaves_grpc_to_its_export_process() -> None:
     code = """
 import sys
 from gateway.observability.tracing import Tracing
-t = Tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+t = Tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1]})
 t.shutdown()
 assert "grpc" not in sys.modules, "grpc imported"
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code, closed_port_url()], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
