@@ -360,12 +360,11 @@ class RequestTrace:
         """Whether the trace is exported when the request ends so (``finish`` with the same values): the head
         sample kept it, or the tail decision does (the request failed, or fell back: more than one attempt, or its
         one attempt went to another pool than planned first)."""
-        return (
-            self.sampled
-            or outcome in _FAILED
-            or attempts > 1
-            or (attempts == 1 and self.planned is not None and pool != self.planned)
-        )
+        return self.sampled or outcome in _FAILED or self._fell_back(attempts, pool)
+
+    def _fell_back(self, attempts: int, pool: str) -> bool:
+        """More than one attempt, or its one attempt went to another pool than planned first."""
+        return attempts > 1 or (attempts == 1 and self.planned is not None and pool != self.planned)
 
     def finish(
         self,
@@ -384,7 +383,7 @@ class RequestTrace:
         it, the trace is handed to the exporter, which writes its spans (True); otherwise nothing more happens."""
         end_ns = time.time_ns()
         failed = outcome in _FAILED
-        fallback = attempts > 1 or (attempts == 1 and self.planned is not None and pool != self.planned)
+        fallback = self._fell_back(attempts, pool)
         if not (self.sampled or failed or fallback):
             return False
         if not self.sampled:  # kept by the tail decision: the decision, what the answer said, the latest expected times
