@@ -18,9 +18,15 @@ are drawn at once, so a pool's ``traceparent`` names the attempt span written la
 its trace is exported (head sample or tail decision, ``trace_export``), its values are copied into a record of
 plain data and handed in batches through a pipe to the gateway process's export process (``trace_pipe``,
 ``trace_child``), which writes the spans as OTLP protobuf (``trace_spans``, ``otlp_wire``) and sends them, on
-another core and under another interpreter lock. Any other request builds nothing: an unsampled one does not even
-read its answer for finish reasons and usage unless the tail decision keeps it (then the last two pieces of the
-answer are read).
+another core and under another interpreter lock.
+
+Most requests are neither sampled nor kept, and theirs is the path that matters. An unsampled trace is *quiet*
+(``RequestRecord.quiet``): it keeps the decision's facts unread (``decided``), sends its planned attempt's
+``traceparent`` and notes where it went in one tuple (``quiet_attempt``), never reads the answer, and is dropped at
+the end. The tail decision keeps it (``keep``) the moment it falls back (before the next attempt leaves: that
+attempt and its pool's spans are then recorded and sampled like a head-sampled request's) or when it ends failed
+(its one attempt then made from what the request's record says of it; its answer was not read, so such a trace has
+no finish reasons or token usage).
 
 No prompt or completion text is ever put in a span: finish reasons and token counts are read from the pool's answer
 by a pattern that only matches the JSON keys, and error messages (which may quote a pool's answer) stay in the
@@ -206,9 +212,9 @@ class RequestTrace:
     """What one request's spans will say (module docstring). Not thread-safe: one request's task calls it, until
     ``finish`` hands it to the export thread (which only reads it)."""
 
-    __slots__ = ("admission", "answered", "attempts", "decision", "ending", "expected", "finish_reasons", "method",
-                 "operation", "params", "parent_id", "path", "planned", "request_id", "route_facts", "sampled",
-                 "start_ns", "state", "tail", "tid", "trace", "trace_id", "traffic_class", "usage")  # fmt: skip
+    __slots__ = ("admission", "answered", "attempts", "decision", "ending", "expected", "finish_reasons", "first",
+                 "method", "operation", "params", "parent_id", "path", "planned", "request_id", "route_facts",
+                 "sampled", "start_ns", "state", "tid", "trace", "trace_id", "traffic_class", "usage")  # fmt: skip
 
     def __init__(self, t: Tracing, method: str, path: str, request_id: str, trace_id: int, parent_id: bytes | None,
                  state: str, sampled: bool) -> None:  # fmt: skip
@@ -229,11 +235,11 @@ class RequestTrace:
         self.planned: str | None = None
         self.finish_reasons: list[str] | None = None
         self.usage: dict[str, int] | None = None
-        self.tail: tuple[bytes, bytes] = (b"", b"")  # unsampled: the last two pieces of the answer, read if kept
         self.params: tuple[Any, Any, Any, bool] | None = None
         self.traffic_class: str | None = None
         self.ending: Ending | None = None
         self.decision: Callable[[RequestTrace], None] | None = None  # unsampled: the decision's facts (``decided``)
+        self.first: tuple[Any, ...] | None = None  # unsampled: where its planned attempt went (``quiet_attempt``)
 
     def request(self, model: Any, temperature: Any, max_tokens: Any, stream: bool) -> None:
         """The client's sampling parameters that the conventions name (never its messages); checked when the
@@ -308,6 +314,59 @@ class RequestTrace:
             headers.pop("tracestate", None)
         return attempt
 
+    def quiet_attempt(
+        self,
+        headers: dict[str, str],
+        full: Sequence[str],
+        pool: str,
+        kind: str,
+        endpoint: str,
+        url: str,
+        model: str | None,
+    ) -> None:
+        """An unsampled trace's attempt to its planned pool (``fell_back`` says no), the one attempt most requests
+        make: its ``traceparent`` to the pool (flag 00: the pool records nothing of it, where without one it would
+        start a trace of its own) and a tuple of where it went; the Attempt is made of them only if the tail decision
+        keeps the trace (``keep``)."""
+        span_id = self.trace.random.getrandbits(64) or 1
+        self.first = (span_id, pool, kind, endpoint, url, model, time.time_ns(), full)
+        headers["traceparent"] = f"00-{self.trace_id}-{span_id.to_bytes(8, 'big').hex()}-00"
+        if self.state:
+            headers["tracestate"] = self.state
+        else:
+            headers.pop("tracestate", None)
+
+    def keep(self, first: tuple[int | None, str | None, float, float | None] | None = None) -> None:
+        """The tail decision keeps this unsampled trace (it fell back, or failed): from now on it records like a
+        sampled one (its next attempts' ``traceparent`` say sampled, so the pool's spans join it), and what it put
+        off is done now: its decision's facts, and the Attempt of its quiet attempt. ``first``: how that attempt
+        ended, as the request's record has it (status, error type (None: it answered), seconds until its answer or
+        failure, time to first token), or None (no end recorded: it was cancelled)."""
+        self.sampled = True
+        write, self.decision = self.decision, None
+        if write is not None:
+            write(self)
+        if callable(self.expected):
+            self.expected = self.expected(self.traffic_class or "")
+        f, self.first = self.first, None
+        if f is None:
+            return
+        span_id, pool, kind, endpoint, url, model, start_ns, full = f
+        if self.admission is None:
+            self.admission = (start_ns, tuple(full), None)
+        attempt = Attempt(span_id, len(self.attempts) + 1, pool, kind, endpoint, url, model, start_ns)
+        self.attempts.append(attempt)
+        if first is None:
+            attempt.end_ns, attempt.error_type = time.time_ns(), "cancelled"
+            return
+        status, error_type, took_s, ttft_s = first
+        attempt.status = status
+        if error_type is None:
+            attempt.ttft_s = ttft_s
+            self.answered = attempt
+        else:
+            attempt.end_ns, attempt.error_type = start_ns + int(took_s * 1e9), error_type
+
     def attempt_failed(self, attempt: Attempt, status: int | None, error_type: str) -> None:
         attempt.end_ns = time.time_ns()
         attempt.status = status
@@ -320,17 +379,9 @@ class RequestTrace:
         self.answered = attempt
 
     def observe(self, data: bytes) -> None:
-        """A piece of the pool's answer (a whole body, or stream events): a sampled trace reads its finish reasons
-        and token usage now; an unsampled one keeps a reference to the last two pieces (read only when the tail
-        decision keeps it: usage and the last finish reason come at the end of an answer)."""
-        if not self.sampled:
-            self.tail = (self.tail[1], data)
-            return
-        self._read(data)
-
-    def _read(self, data: bytes) -> None:
-        """Finish reasons and token usage from a piece of the answer: each key found by ``bytes.find`` and its value
-        matched right there (no pattern scans the whole piece)."""
+        """Finish reasons and token usage from a piece of the pool's answer (a whole body, or stream events; the
+        request path hands them to a recording trace only, never a quiet one): each key found by ``bytes.find`` and
+        its value matched right there (no pattern scans the whole piece)."""
         at = data.find(_FINISH_KEY)
         while at >= 0:
             # most stream events say "finish_reason":null: only a string is matched
@@ -360,9 +411,9 @@ class RequestTrace:
         """Whether the trace is exported when the request ends so (``finish`` with the same values): the head
         sample kept it, or the tail decision does (the request failed, or fell back: more than one attempt, or its
         one attempt went to another pool than planned first)."""
-        return self.sampled or outcome in _FAILED or self._fell_back(attempts, pool)
+        return self.sampled or outcome in _FAILED or self.fell_back(attempts, pool)
 
-    def _fell_back(self, attempts: int, pool: str) -> bool:
+    def fell_back(self, attempts: int, pool: str) -> bool:
         """More than one attempt, or its one attempt went to another pool than planned first."""
         return attempts > 1 or (attempts == 1 and self.planned is not None and pool != self.planned)
 
@@ -383,19 +434,11 @@ class RequestTrace:
         it, the trace is handed to the exporter, which writes its spans (True); otherwise nothing more happens."""
         end_ns = time.time_ns()
         failed = outcome in _FAILED
-        fallback = self._fell_back(attempts, pool)
+        fallback = self.fell_back(attempts, pool)
         if not (self.sampled or failed or fallback):
             return False
-        if not self.sampled:  # kept by the tail decision: the decision, what the answer said, the latest expected times
-            if self.decision is not None:
-                self.decision(self)
-                self.decision = None
-            for piece in self.tail:
-                if piece:
-                    self._read(piece)
-            self.tail = (b"", b"")
-            if callable(self.expected):
-                self.expected = self.expected(self.traffic_class or "")
+        if not self.sampled:  # kept by the tail decision now: what it put off (``RequestRecord.keep_trace`` first)
+            self.keep()
         if self.admission is None:  # refused before any attempt (or an idempotent replay: ok)
             self.admission = (end_ns, (), outcome if attempts == 0 and outcome != "ok" else None)
         opened = self.answered

@@ -108,8 +108,16 @@ async def open_upstream(
                 job.client_headers, request_id=rec.request_id, api_key=client.api_key, forwarded_for=job.forwarded_for
             )
             span = None
-            if rec.trace is not None:  # tracing on: the attempt's CLIENT span, and its traceparent to the pool
-                span = rec.trace.send_attempt(
+            trace = rec.trace
+            if (quiet := rec.quiet) is not None:  # tracing on, unsampled: kept only if it falls back (or fails)
+                if quiet.fell_back(sent, pool.name):
+                    trace = rec.keep_trace()
+                else:  # its planned attempt: the traceparent to the pool, and a note of where it went
+                    quiet.quiet_attempt(
+                        headers, full, pool.name, pool.spec.kind, ep.id, ep.url, job.plan.model_for(pool.name)
+                    )
+            if trace is not None:  # sampled or kept: the attempt's CLIENT span, and its traceparent to the pool
+                span = trace.send_attempt(
                     headers, full, pool.name, pool.spec.kind, ep.id, ep.url, job.plan.model_for(pool.name)
                 )
             started = time.perf_counter()
@@ -132,7 +140,7 @@ async def open_upstream(
                 if span is not None and rec.trace is not None:
                     rec.trace.attempt_failed(span, status, result)
                     span = None
-                rec.attempt(pool.name, ep.id, started, status, exc.message)
+                rec.attempt(pool.name, ep.id, started, status, exc.message, result)
                 metrics.attempt_done(pool.name, result)
                 # Kept without its traceback: that holds this frame, which holds the failure (a cycle per request)
                 failures.append(AttemptFailure(pool.name, ep.id, exc.with_traceback(None), result))

@@ -106,9 +106,13 @@ async def admit(rt: Runtime, route: ProxyRoute, scope: Scope, receive: Receive) 
     rec = req.record
     if rt.tracing is not None:  # tracing on (gateway.observability.tracing): the request's server span
         hdr = req.hdr
-        rec.trace = trace = rt.tracing.start(
+        trace = rt.tracing.start(
             scope["method"], route.path, rec.request_id, hdr.get("traceparent"), hdr.get("tracestate")
         )
+        if trace.sampled:
+            rec.trace = trace
+        else:  # recorded only if the tail decision keeps it (``RequestRecord.keep_trace``)
+            rec.quiet = trace
         req.extra.append((TRACE_ID_HEADER, trace.trace_id))
     live = rt.live
     try:

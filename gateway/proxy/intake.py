@@ -54,7 +54,7 @@ def _replay(rt: Runtime, replay: Replay, rec: RequestRecord) -> Response:
 async def classified(rt: Runtime, live: LiveConfig, route: ProxyRoute, req: Incoming) -> ProxyJob | Response:
     """The part of a classified POST (chat, completions, responses, embeddings) in the front half."""
     path, hdr, rec, extra = route.path, req.hdr, req.record, req.extra
-    trace = rec.trace
+    trace = rec.trace if rec.quiet is None else rec.quiet
     tenant: TenantState | None = None
     if rt.tenancy is None:
         rt.authenticate(hdr.get("authorization"))

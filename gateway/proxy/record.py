@@ -26,6 +26,7 @@ class AttemptRecord:
     status: int | None
     error: str | None
     duration_s: float
+    result: str | None = None  # failed: why, as the attempt policy classed it (the span's error.type)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -64,12 +65,35 @@ class RequestRecord:
     idempotency: str | None = None  # gateway.proxy.idempotency.Result, for requests with an Idempotency-Key
     cached_tokens: int | None = None  # prompt tokens the pool found in its prefix cache, when its usage said so
     tenant: str | None = None  # the tenant of its key (tenants configured only)
-    trace: RequestTrace | None = None  # the request's spans when tracing is on (gateway.observability.tracing)
+    # Tracing on (gateway.observability.tracing): the request's spans, recorded when its trace is sampled or kept;
+    # an unsampled one is ``quiet`` until the tail decision keeps it (``keep_trace``), if ever
+    trace: RequestTrace | None = None
+    quiet: RequestTrace | None = None
     outcome: Outcome = "ok"  # how a forwarded request ended so far (its exchange and its client's presence set it)
     _finished: bool = False
 
-    def attempt(self, pool: str, endpoint: str, started: float, status: int | None, error: str | None) -> None:
-        self.attempts.append(AttemptRecord(pool, endpoint, status, error, time.perf_counter() - started))
+    def attempt(
+        self, pool: str, endpoint: str, started: float, status: int | None, error: str | None, result: str | None = None
+    ) -> None:
+        self.attempts.append(AttemptRecord(pool, endpoint, status, error, time.perf_counter() - started, result))
+
+    def keep_trace(self) -> RequestTrace | None:
+        """The tail decision keeps the request's quiet trace (it fell back, or failed): it records from now on
+        (``trace``), its quiet attempt made of what this record says of the first attempt."""
+        quiet = self.quiet
+        if quiet is None:
+            return self.trace
+        self.quiet = None
+        first = None
+        if self.attempts:
+            a = self.attempts[0]
+            ttft = None
+            if a.result is None and self.upstream_first is not None and self.upstream_start is not None:
+                ttft = self.upstream_first - self.upstream_start
+            first = (a.status, a.result, a.duration_s, ttft)
+        quiet.keep(first)
+        self.trace = quiet
+        return quiet
 
     def overhead_s(self, end: float) -> float | None:
         if self.upstream_start is None:
@@ -92,6 +116,9 @@ class RequestRecord:
         overhead = self.overhead_s(end)
         spec = self.spec
         trace = self.trace
+        quiet = self.quiet
+        if quiet is not None and quiet.kept(outcome, len(self.attempts), pool):  # failed: kept by the tail decision
+            trace = self.keep_trace()
         if trace is not None:
             exported = trace.kept(outcome, len(self.attempts), pool) and trace.finish(
                 status=self.status,
@@ -140,6 +167,7 @@ class RequestRecord:
                 line["idempotency"] = self.idempotency
             if self.tenant is not None:
                 line["tenant"] = self.tenant
-            if trace is not None:
-                line["trace_id"] = trace.trace_id
+            named = quiet if trace is None else trace
+            if named is not None:
+                line["trace_id"] = named.trace_id
             access_log.write(line)

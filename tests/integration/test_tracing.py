@@ -337,12 +337,26 @@ def test_head_sample_zero_keeps_only_the_fallback(
     fell_back, _, _ = stream(gw)
     assert fell_back["x-specgate-pool"] == "std"
 
-    spans = rx.wait_for(fell_back["x-specgate-trace-id"], lambda s: len(attempts_of(s)) == 2)
-    assert all(s.service == "specgate" for s in spans)  # the pools saw an unsampled traceparent
+    # The first attempt went out unsampled; from the fallback on the trace is kept, so the attempt that answered
+    # said sampled to its pool, whose own span joins below it.
+    spans = rx.wait_for(
+        fell_back["x-specgate-trace-id"],
+        lambda s: len(attempts_of(s)) == 2 and any(x.name == "llm_request" for x in s),
+    )
+    first, second = attempts_of(spans)
+    assert (first.attrs["specgate.pool"], first.attrs["http.response.status_code"]) == ("spec", 503)
+    assert first.attrs["error.type"]
+    assert first.status_code == 2
+    assert first.end_ns > first.start_ns
+    assert second.attrs["specgate.pool"] == "std"
+    llm = one(spans, "llm_request")
+    assert llm.parent_id == second.span_id
     assert one(spans, "POST /v1/chat/completions").attrs["specgate.fallback"] is True
+    route = one(spans, "specgate.route")  # the decision's facts, put off while unsampled, written when kept
+    assert route.attrs["specgate.class"] == "precise"
     time.sleep(0.3)  # a span exported after the fallback's would be a bug: nothing more may come
     assert rx.trace(plain["x-specgate-trace-id"]) == []
-    assert not any(s.name == "llm_request" for s in rx.spans)
+    assert [s.name for s in rx.spans if s.name == "llm_request"] == ["llm_request"]  # the kept attempt's only
 
 
 def test_env_sampler_is_checked_at_start(gateway: Callable[..., ServerThread], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -407,7 +407,11 @@ def test_exemplars_name_exported_traces_only(ratio: str) -> None:
     metrics, out = GatewayMetrics(), io.BytesIO()
     log = AccessLog(out)
     rec = RequestRecord("rid", "/v1/chat/completions")
-    rec.trace = trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    trace = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    if trace.sampled:  # as the request path holds it: recording, or quiet until the tail decision keeps it
+        rec.trace = trace
+    else:
+        rec.quiet = trace
     rec.traffic_class, rec.pool, rec.status = "c", "a", 200
     rec.finish("ok", metrics, log)
     log.flush()
@@ -416,20 +420,123 @@ def test_exemplars_name_exported_traces_only(ratio: str) -> None:
     assert (f'trace_id="{trace.trace_id}"' in exposition) is (ratio == "1")
 
 
-def test_unsampled_request_reads_its_answer_only_when_kept() -> None:
-    """An unsampled request keeps references to the last two pieces of its answer, nothing read; kept by the tail
-    decision, its finish reasons and usage come from them."""
+def _quiet(tracing: Tracing, calls: list[Any]) -> Any:
+    """A request whose trace the head sample did not keep, as the request path holds it (``RequestRecord.quiet``),
+    classified and planned for pool "a"."""
+    from gateway.proxy.record import RequestRecord
+
+    rec = RequestRecord("rid", "/v1/chat/completions")
+    rec.quiet = quiet = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
+    assert not quiet.sampled
+    rec.traffic_class, rec.task_type = "c", "chat"
+    quiet.decided("a", _decision(calls, 10, 20))
+    return rec
+
+
+def _finish(rec: Any, outcome: str, pool: str, status: int = 200) -> None:
+    import io
+
+    from gateway.observability.logs import AccessLog
+    from gateway.observability.metrics import GatewayMetrics
+
+    rec.pool, rec.status, rec.endpoint = pool, status, f"{pool}-0"
+    rec.finish(outcome, GatewayMetrics(), AccessLog(io.BytesIO()))
+
+
+_ANSWER = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}'
+
+
+def test_a_quiet_request_records_nothing_and_sends_an_unsampled_traceparent() -> None:
+    """The path of most requests: the planned attempt's traceparent says unsampled (so the pool records nothing),
+    the decision's facts are never read, no Attempt is made, nothing is exported."""
     tracing, sent = _tracing("0")
-    quiet = tracing.start("POST", "/v1/chat/completions", "rid", None, None)
-    quiet.observe(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}')
-    assert quiet.finish_reasons is None
-    assert quiet.usage is None
-    failed_id = _request(tracing, fail=True)
-    (server,) = [s for s in _exported(tracing, sent) if s.kind == 2 and s.trace_id.hex() == failed_id]
+    calls: list[Any] = []
+    rec = _quiet(tracing, calls)
+    quiet = rec.quiet
+    assert not quiet.fell_back(1, "a")
+    headers = {"tracestate": "client=1"}
+    quiet.quiet_attempt(headers, [], "a", "speculative", "a-0", "http://10.0.0.1:8000", None)
+    assert headers["traceparent"].startswith(f"00-{quiet.trace_id}-")
+    assert headers["traceparent"].endswith("-00")
+    assert "tracestate" not in headers  # the client's state is not the attempt's
+    rec.attempt("a", "a-0", rec.arrived, 200, None)
+    _finish(rec, "ok", "a")
+    assert rec.trace is None
+    assert calls == []
+    assert quiet.attempts == []
+    assert _exported(tracing, sent) == []
+
+
+def test_a_quiet_request_that_falls_back_is_recorded_from_then_on() -> None:
+    """Kept by the tail decision before its second attempt leaves: the first attempt's span has the id its pool
+    was sent, with the failure the record says; the second says sampled to its pool (the pool's spans join it) and
+    its answer is read."""
+    tracing, sent = _tracing("0")
+    calls: list[Any] = []
+    rec = _quiet(tracing, calls)
+    first_headers: dict[str, str] = {}
+    rec.quiet.quiet_attempt(first_headers, [], "a", "speculative", "a-0", "http://10.0.0.1:8000", None)
+    rec.attempt("a", "a-0", rec.arrived, 503, "HTTP 503", "status_5xx")
+    assert rec.quiet.fell_back(2, "b")
+    trace = rec.keep_trace()
+    assert rec.quiet is None
+    assert rec.trace is trace
+    assert trace.sampled
+    assert calls == [trace]  # the decision's facts, written now
+    headers: dict[str, str] = {}
+    span = trace.send_attempt(headers, [], "b", "standard", "b-0", "http://10.0.0.2:8000", None)
+    assert headers["traceparent"].endswith("-01")
+    trace.attempt_answered(span, 200, 0.01)
+    trace.observe(_ANSWER)
+    rec.attempt("b", "b-0", rec.arrived, 200, None)
+    _finish(rec, "ok", "b")
+    spans = _exported(tracing, sent)
+    attempts = sorted((s for s in spans if s.kind == 3), key=lambda s: s.start_time_unix_nano)
+    assert [_attrs(s)["specgate.pool"] for s in attempts] == ["a", "b"]
+    one, two = attempts
+    assert f"00-{trace.trace_id}-{one.span_id.hex()}-00" == first_headers["traceparent"]
+    assert _attrs(one)["http.response.status_code"] == 503
+    assert _attrs(one)["error.type"] == "status_5xx"
+    assert one.start_time_unix_nano < one.end_time_unix_nano <= two.start_time_unix_nano
+    assert _attrs(two)["specgate.committed"] is True
+    (server,) = [s for s in spans if s.kind == 2]
     a = _attrs(server)
+    assert a["specgate.fallback"] is True
     assert a["gen_ai.response.finish_reasons"] == ["stop"]
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (3, 4)
-    assert a["error.type"] == "upstream_error"
+
+
+def test_a_quiet_request_that_fails_is_kept_from_its_record() -> None:
+    """Failed with its one attempt answered (a stream cut after the commit point): kept when it ends, its attempt
+    made from the record, committed, with the id its pool was sent; its answer was never read."""
+    tracing, sent = _tracing("0")
+    calls: list[Any] = []
+    rec = _quiet(tracing, calls)
+    headers: dict[str, str] = {}
+    rec.quiet.quiet_attempt(headers, [], "a", "speculative", "a-0", "http://10.0.0.1:8000", None)
+    rec.upstream_start = rec.arrived
+    rec.upstream_first = rec.arrived + 0.005
+    rec.attempt("a", "a-0", rec.arrived, 200, None)
+    _finish(rec, "stream_error", "a")
+    assert len(calls) == 1
+    spans = _exported(tracing, sent)
+    (attempt,) = [s for s in spans if s.kind == 3]
+    assert headers["traceparent"] == f"00-{attempt.trace_id.hex()}-{attempt.span_id.hex()}-00"
+    a = _attrs(attempt)
+    assert a["specgate.committed"] is True
+    assert a["error.type"] == "stream_error"
+    assert a["specgate.ttft_s"] == pytest.approx(0.005)
+    (server,) = [s for s in spans if s.kind == 2]
+    assert "gen_ai.response.finish_reasons" not in _attrs(server)
+    assert _attrs(server)["error.type"] == "stream_error"
+
+
+def test_a_quiet_request_refused_before_any_attempt_is_kept() -> None:
+    tracing, sent = _tracing("0")
+    rec = _quiet(tracing, [])
+    _finish(rec, "no_capacity", "none", status=503)
+    names = sorted(s.name for s in _exported(tracing, sent))
+    assert names == ["POST /v1/chat/completions", "specgate.admission", "specgate.route"]
 
 
 def test_a_trace_that_cannot_be_written_is_dropped_alone() -> None:
