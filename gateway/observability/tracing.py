@@ -280,10 +280,17 @@ class RequestTrace:
         else:
             self.decision = write
 
-    def admitted(self, full: Sequence[str] = (), refused: str | None = None) -> None:
-        """The admission span ends now (the first attempt leaves, or the request is refused)."""
-        if self.admission is None:
-            self.admission = (time.time_ns(), tuple(full), refused)
+    def _link(self, headers: dict[str, str]) -> int:
+        """A new attempt span's id, and its ``traceparent`` (sampled or not, as the trace) in place of the client's
+        in ``headers`` (to the pool), with the client's ``tracestate`` carried on."""
+        span_id = self.trace.random.getrandbits(64) or 1
+        sid = span_id.to_bytes(8, "big").hex()  # faster than formatting the int
+        headers["traceparent"] = f"00-{self.trace_id}-{sid}-01" if self.sampled else f"00-{self.trace_id}-{sid}-00"
+        if self.state:
+            headers["tracestate"] = self.state
+        else:
+            headers.pop("tracestate", None)
+        return span_id
 
     def send_attempt(
         self,
@@ -301,40 +308,18 @@ class RequestTrace:
         now = time.time_ns()
         if self.admission is None:
             self.admission = (now, tuple(full) if full else (), None)
-        span_id = self.trace.random.getrandbits(64) or 1
         attempts = self.attempts
-        attempt = Attempt(span_id, len(attempts) + 1, pool, kind, endpoint, url, model, now)
+        attempt = Attempt(self._link(headers), len(attempts) + 1, pool, kind, endpoint, url, model, now)
         if len(attempts) < _MAX_ATTEMPTS_KEPT:
             attempts.append(attempt)
-        sid = span_id.to_bytes(8, "big").hex()  # faster than formatting the int
-        headers["traceparent"] = f"00-{self.trace_id}-{sid}-01" if self.sampled else f"00-{self.trace_id}-{sid}-00"
-        if self.state:
-            headers["tracestate"] = self.state
-        else:
-            headers.pop("tracestate", None)
         return attempt
 
-    def quiet_attempt(
-        self,
-        headers: dict[str, str],
-        full: Sequence[str],
-        pool: str,
-        kind: str,
-        endpoint: str,
-        url: str,
-        model: str | None,
-    ) -> None:
+    def quiet_attempt(self, headers: dict[str, str], full: Sequence[str], *where: Any) -> None:
         """An unsampled trace's attempt to its planned pool (``fell_back`` says no), the one attempt most requests
         make: its ``traceparent`` to the pool (flag 00: the pool records nothing of it, where without one it would
-        start a trace of its own) and a tuple of where it went; the Attempt is made of them only if the tail decision
-        keeps the trace (``keep``)."""
-        span_id = self.trace.random.getrandbits(64) or 1
-        self.first = (span_id, pool, kind, endpoint, url, model, time.time_ns(), full)
-        headers["traceparent"] = f"00-{self.trace_id}-{span_id.to_bytes(8, 'big').hex()}-00"
-        if self.state:
-            headers["tracestate"] = self.state
-        else:
-            headers.pop("tracestate", None)
+        start a trace of its own) and a tuple of where it went (``where``: ``send_attempt``'s pool, kind, endpoint,
+        url, model); the Attempt is made of them only if the tail decision keeps the trace (``keep``)."""
+        self.first = (self._link(headers), *where, time.time_ns(), full)
 
     def keep(self, first: tuple[int | None, str | None, float, float | None] | None = None) -> None:
         """The tail decision keeps this unsampled trace (it fell back, or failed): from now on it records like a
